@@ -1,0 +1,63 @@
+"""The `infopt-lab` command: doctor, train, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_train(args) -> int:
+    from dataclasses import replace
+    from .train import RECIPES, train
+    recipe = RECIPES[args.preset]
+    if args.steps is not None:
+        recipe = replace(recipe, steps=args.steps)
+    train(recipe, args.out, tokenizer_dir=args.tokenizer)
+    print(f"saved {args.preset} model to {args.out}")
+    return 0
+
+
+def _cmd_doctor(args) -> int:
+    from .doctor import run_doctor
+    return run_doctor()
+
+
+def _cmd_bench(args) -> int:
+    from .bench import run
+    run(only=args.only, model_name=args.model)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .train import RECIPES
+    parser = argparse.ArgumentParser(prog="infopt-lab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("doctor", help="check the installation: Python, torch, device, Triton, models")
+    p.set_defaults(func=_cmd_doctor)
+
+    from .bench import LADDER
+    p = sub.add_parser("bench", help="measure the optimization ladder, side by side in one run")
+    p.add_argument("--only", nargs="+", choices=list(LADDER), default=None,
+                   help="run only these rungs")
+    p.add_argument("--model", default="target", help="bundled name or model directory")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("train", help="train a bundled model with the course's recipe (resumable)")
+    p.add_argument("--preset", choices=sorted(RECIPES), required=True)
+    p.add_argument("--out", required=True, help="output directory (rerun to resume)")
+    p.add_argument("--tokenizer", default=None,
+                   help="directory whose tokenizer.json to reuse (a draft shares its target's)")
+    p.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
+    p.set_defaults(func=_cmd_train)
+    from .grading.cli import add_subcommands as add_grading_subcommands
+    add_grading_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

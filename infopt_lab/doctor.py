@@ -1,0 +1,57 @@
+"""`infopt-lab doctor`: what this machine offers the course, and what is wrong with it."""
+from __future__ import annotations
+
+import json
+
+from .device import describe, triton_mode
+from .loading import ASSETS, BUNDLED
+
+
+def _bundled_models() -> tuple[list[str], list[str]]:
+    lines, problems = [], []
+    for name in BUNDLED:
+        path = ASSETS / name
+        weights = path / "model.safetensors"
+        missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json", "MODEL_CARD.md")
+                   if not (path / f).exists()]
+        if missing:
+            problems.append(f"bundled model {name!r} lacks {', '.join(missing)} in {path}")
+            continue
+        config = json.loads((path / "config.json").read_text())
+        lines.append(f"{name:<7}: {weights.stat().st_size / 2**20:.1f} MiB on disk, "
+                     f"{config['num_hidden_layers']} layers x {config['hidden_size']} wide, "
+                     f"vocab {config['vocab_size']}, context {config['max_position_embeddings']}")
+    return lines, problems
+
+
+def run_doctor() -> int:
+    """Print the report; exit status 1 when a problem was found."""
+    problems = []
+    info = describe()
+    for key, value in info.items():
+        print(f"{key:<8}: {value}")
+    mode = triton_mode()
+    if mode == "unavailable":
+        problems.append("triton is not installed: kernels fall back to their PyTorch references "
+                        "(expected on macOS and Windows)")
+    lines, model_problems = _bundled_models()
+    print("models  :")
+    for line in lines:
+        print(f"  {line}")
+    problems += model_problems
+    try:
+        from .loading import load_model
+        model, tok = load_model("target") if not model_problems else (None, None)
+        if model is not None:
+            ids = tok.encode("def f(x):")
+            if tok.decode(ids) != "def f(x):":
+                problems.append("the target tokenizer does not round-trip text")
+    except Exception as e:   # report, do not crash: doctor exists to describe breakage
+        problems.append(f"loading the target failed: {type(e).__name__}: {e}")
+    if problems:
+        print(f"{len(problems)} problem(s):")
+        for p in problems:
+            print(f"  - {p}")
+        return 1
+    print("no problems found")
+    return 0

@@ -1,0 +1,55 @@
+"""`load_model`: a bundled model, a local Hugging Face directory, or (online) a hub id."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .data import load_tokenizer
+from .device import default_dtype, get_device
+from .model import Transformer
+
+ASSETS = Path(__file__).parent / "assets" / "models"
+BUNDLED = ("target", "draft")
+
+
+def bundled_model_dir(name: str) -> Path:
+    """Directory of a bundled model ('target' or 'draft')."""
+    if name not in BUNDLED:
+        raise ValueError(f"unknown bundled model {name!r}; choose one of {list(BUNDLED)}")
+    return ASSETS / name
+
+
+def resolve_model_dir(name_or_path: str | Path) -> Path:
+    """The local directory for a bundled name, a path, or a downloaded hub id."""
+    name = str(name_or_path)
+    if name in BUNDLED:
+        path = bundled_model_dir(name)
+        if not (path / "model.safetensors").exists():
+            raise FileNotFoundError(f"the bundled {name!r} model is missing from {path}; "
+                                    f"retrain it with `infopt-lab train --preset {name} --out {path}`")
+        return path
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if "/" not in name or name.startswith((".", "/", "~")):
+        raise ValueError(f"unknown model {name!r}: use 'target', 'draft', a local directory in "
+                         f"Hugging Face format, or a hub id such as 'Qwen/Qwen2.5-0.5B' (needs internet)")
+    from huggingface_hub import snapshot_download   # hub ids only: never needed offline
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+
+
+def load_model(name_or_path: str | Path = "target", dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None):
+    """(model, tokenizer): fp32 on CPU and bf16 on CUDA unless `dtype` says otherwise."""
+    path = resolve_model_dir(name_or_path)
+    device = torch.device(device) if device is not None else get_device()
+    dtype = dtype or default_dtype(device)
+    model = Transformer.from_pretrained(path, dtype=dtype, device=device)
+    if (path / "tokenizer.json").exists() and (path / "tokenizer_config.json").exists() and \
+            '"PreTrainedTokenizerFast"' in (path / "tokenizer_config.json").read_text():
+        tok = load_tokenizer(path)
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+    return model, tok

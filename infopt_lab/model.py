@@ -1,0 +1,197 @@
+"""A Llama-style decoder in plain PyTorch, stored in the Hugging Face Llama format.
+
+RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP.
+Module names match transformers' LlamaForCausalLM, so saving is a key rename.
+Shapes: B batch, T tokens in this call, S cached positions, C model width,
+H query heads, H_kv key/value heads, D head width, V vocabulary.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalise in fp32 like transformers does, then cast back (both no-ops in fp32)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+def rope_cache(config: ModelConfig, device=None) -> tuple[Tensor, Tensor]:
+    """cos and signed sin tables, [max_seq_len, D], in the rotate-half layout transformers uses.
+
+    transformers rotates a head as x * cos + cat(-x2, x1) * sin. Swapping the halves
+    is a roll, so we store sin with its first half negated: x * cos + roll(x) * sin_signed.
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    t = torch.arange(config.max_seq_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq)                          # (S_max, D/2)
+    cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)       # (S_max, D)
+    sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    return cos, sin_signed
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    # x: [B, H, T, D]; cos/sin_signed: [T, D]
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        C, D = config.dim, config.head_dim
+        self.q_proj = nn.Linear(C, config.n_heads * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(C, config.n_kv_heads * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(C, config.n_kv_heads * D, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.n_heads * D, C, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor,
+                cache: KVCache | None) -> Tensor:
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, input_pos, k, v)                            # (B, H_kv, S, D)
+        S = k.shape[2]
+        if T == 1:
+            mask, causal = None, False           # one new query sees every cached position
+        elif S == T:
+            mask, causal = None, True            # plain causal self-attention over this call
+        else:                                    # new queries after a cached prefix
+            mask = torch.arange(S, device=x.device)[None, :] <= input_pos[:, None]  # (T, S)
+            causal = False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, input_pos, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids [B, T] -> logits [B, T, V]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_cache(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied head is counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, input_ids: Tensor, input_pos: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor:
+        # input_ids: [B, T]; input_pos: [T] absolute positions (default 0..T-1)
+        B, T = input_ids.shape
+        if input_pos is None:
+            input_pos = torch.arange(T, device=input_ids.device)
+        if int(input_pos[-1]) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(input_pos[-1])} is past the model's context of "
+                             f"{self.config.max_seq_len} tokens")
+        cos = self.rope_cos[input_pos].to(self.embed_tokens.weight.dtype)   # (T, D)
+        sin = self.rope_sin[input_pos].to(self.embed_tokens.weight.dtype)
+        x = self.embed_tokens(input_ids)                                     # (B, T, C)
+        for block in self.layers:
+            x = block(x, cos, sin, input_pos, cache)
+        return self.lm_head(self.norm(x))                                    # (B, T, V)
+
+    # -- Hugging Face Llama format ---------------------------------------------------
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Weights under transformers' names; a tied head is stored once."""
+        out = {}
+        for name, t in self.state_dict().items():
+            if name == "lm_head.weight" and self.config.tie_embeddings:
+                continue
+            out[name if name.startswith("lm_head") else f"model.{name}"] = t
+        return out
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16):
+        """Write config.json and model.safetensors that transformers can load."""
+        from safetensors.torch import save_file
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        dtype_name = str(dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps(self.config.to_hf(dtype_name), indent=2) + "\n")
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in self.hf_state_dict().items()}
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "Transformer":
+        """Load config.json and *.safetensors from a Hugging Face format directory."""
+        from safetensors.torch import load_file
+        path = Path(path)
+        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors weights in {path}")
+        tensors = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        state = {k.removeprefix("model."): v for k, v in tensors.items()}
+        if config.tie_embeddings:
+            state.pop("lm_head.weight", None)
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state, strict=True, assign=True)
+        if config.tie_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        cos, sin = rope_cache(config)
+        model.rope_cos, model.rope_sin = cos, sin
+        return model.to(device=device, dtype=dtype).eval()

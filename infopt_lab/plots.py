@@ -1,0 +1,103 @@
+"""Matplotlib figures the notebooks share: one small function per kind of figure.
+
+Each function draws on an Axes (a new one when `ax` is None) and returns it;
+the notebook cell adds its own touches and ends with `plt.show()`.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.axes import Axes
+
+
+def _axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
+    """The given Axes, or a fresh figure's."""
+    return ax if ax is not None else plt.subplots(figsize=figsize)[1]
+
+
+def top_tokens_bar(labels: Sequence[str], probs: Sequence[float], ax: Axes | None = None,
+                   title: str = "") -> Axes:
+    """Horizontal bars of next-token probabilities, the most likely on top."""
+    ax = _axes(ax, (6, 0.45 * len(labels) + 1.2))
+    y = np.arange(len(labels))
+    ax.barh(y, probs, color="tab:blue")
+    ax.set_yticks(y, labels, family="monospace")
+    ax.invert_yaxis()
+    for i, p in enumerate(probs):
+        ax.text(p, i, f" {p:.3f}", va="center")
+    ax.set_xlim(0, max(max(probs) * 1.25, 0.05))
+    ax.set_xlabel("probability")
+    ax.set_title(title)
+    return ax
+
+
+def ranked_probs(curves: Mapping[str, Sequence[float]], ax: Axes | None = None,
+                 title: str = "") -> Axes:
+    """One line per setting: probabilities of the most likely tokens, in rank order."""
+    ax = _axes(ax, (6, 3.2))
+    for label, probs in curves.items():
+        ax.plot(np.arange(1, len(probs) + 1), probs, marker="o", ms=3, label=label)
+    ax.set_xlabel("rank of the token")
+    ax.set_ylabel("probability")
+    ax.set_title(title)
+    ax.legend()
+    return ax
+
+
+def token_timeline(token_times_s: Sequence[float], ax: Axes | None = None, title: str = "") -> Axes:
+    """When each new token arrived (ms after the request): the TTFT gap, then steady decode."""
+    ax = _axes(ax, (6, 3.2))
+    t_ms = np.asarray(token_times_s) * 1e3
+    n = np.arange(1, len(t_ms) + 1)
+    ax.plot(n, t_ms, marker="o", ms=3, color="tab:blue", label="token arrival")
+    ax.plot([0, 1], [0, t_ms[0]], color="tab:red", lw=3, label=f"TTFT = {t_ms[0]:.1f} ms")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("tokens generated")
+    ax.set_ylabel("ms since the request started")
+    ax.set_title(title)
+    ax.legend()
+    return ax
+
+
+def gaps_bar(token_times_s: Sequence[float], ax: Axes | None = None, title: str = "") -> Axes:
+    """The wait before each token: TTFT for the first (red), inter-token latency after it."""
+    ax = _axes(ax, (6, 3.2))
+    gaps_ms = np.diff(np.concatenate([[0.0], token_times_s])) * 1e3
+    colors = ["tab:red"] + ["tab:blue"] * (len(gaps_ms) - 1)
+    ax.bar(np.arange(1, len(gaps_ms) + 1), gaps_ms, color=colors)
+    ax.set_xlabel("token")
+    ax.set_ylabel("wait before it (ms)")
+    ax.set_title(title)
+    return ax
+
+
+def runs_with_percentiles(values: Sequence[float], pcts: Mapping[str, float],
+                          ax: Axes | None = None, ylabel: str = "", title: str = "") -> Axes:
+    """One dot per run, with a dashed line at each percentile."""
+    ax = _axes(ax, (4, 3))
+    ax.plot(np.arange(1, len(values) + 1), values, "o", color="tab:blue")
+    for (name, v), style in zip(pcts.items(), ("--", ":", "-.")):
+        ax.axhline(v, color="gray", ls=style, label=f"{name} = {v:.2f}")
+    ax.set_xlabel("run")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    return ax
+
+
+def memory_bars(values: Mapping[str, float], unit: str = "GB", ax: Axes | None = None,
+                highlight: str | None = None, title: str = "") -> Axes:
+    """Memory per precision as labelled bars; `highlight` colours one of them."""
+    ax = _axes(ax, (6, 3))
+    names = list(values)
+    colors = ["tab:orange" if n == highlight else "tab:blue" for n in names]
+    bars = ax.bar(range(len(names)), list(values.values()), color=colors)
+    ax.bar_label(bars, labels=[f"{v:.2f}" for v in values.values()], padding=2)
+    ax.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names])
+    ax.set_ylabel(unit)
+    ax.set_ylim(0, max(values.values()) * 1.18)
+    ax.set_title(title)
+    return ax

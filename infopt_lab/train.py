@@ -1,0 +1,200 @@
+"""The training recipe behind `infopt-lab train`: seeded, resumable, CPU or CUDA.
+
+A run writes, into its output directory, the tokenizer, a resumable checkpoint
+(`checkpoint/`, safetensors plus JSON, no pickle), a log of val bits per byte
+(`train_log.jsonl`) and, when it finishes, the model in the Hugging Face Llama
+format. Rerunning the same command resumes from the checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from . import data
+from .config import get_preset
+from .device import get_device
+from .metrics import score_windows
+from .model import Transformer
+
+
+@dataclass
+class Recipe:
+    preset: str = "target"
+    steps: int = 3000             # optimizer steps
+    batch_size: int = 16          # sequences per step
+    seq_len: int = 512            # tokens per training sequence
+    lr: float = 2e-3              # peak learning rate
+    min_lr_ratio: float = 0.05    # cosine floor, as a share of the peak
+    warmup: int = 150             # linear warm-up steps
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 250         # steps between val evaluations and checkpoints
+    eval_windows: int = 64        # val windows scored at each evaluation
+    seed: int = 0
+    vocab_size: int = 4096
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "warmup", "eval_every", "eval_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+
+
+RECIPES = {
+    "target": Recipe(preset="target", steps=2400),
+    "draft": Recipe(preset="draft", steps=1000, lr=3e-3),
+    "tiny": Recipe(preset="tiny", steps=20, batch_size=4, seq_len=64, eval_every=10,
+                   eval_windows=4, vocab_size=512),
+}
+
+
+def lr_at(step: int, r: Recipe) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
+    if step < r.warmup:
+        return r.lr * (step + 1) / r.warmup
+    progress = min(1.0, (step - r.warmup) / max(1, r.steps - r.warmup))
+    return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _optimizer(model: Transformer, r: Recipe) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": r.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=r.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, step: int,
+                    recipe: Recipe, elapsed_s: float):
+    """Model, optimizer moments and progress, as safetensors and JSON."""
+    from safetensors.torch import save_file
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
+               or not model.config.tie_embeddings}, str(tmp / "model.safetensors"))
+    opt_state = opt.state_dict()
+    tensors = {}
+    for idx, st in opt_state["state"].items():
+        for key, val in st.items():
+            tensors[f"{idx}.{key}"] = torch.as_tensor(val).contiguous()
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    groups = [{k: v for k, v in g.items()} for g in opt_state["param_groups"]]
+    meta = {"step": step, "elapsed_s": elapsed_s, "recipe": asdict(recipe), "param_groups": groups,
+            "config": model.config.to_dict()}
+    (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+
+
+def load_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer) -> dict:
+    from safetensors.torch import load_file
+    meta = json.loads((path / "state.json").read_text())
+    state = load_file(str(path / "model.safetensors"))
+    if model.config.tie_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state)
+    tensors = load_file(str(path / "optimizer.safetensors"))
+    opt_state: dict = {"state": {}, "param_groups": meta["param_groups"]}
+    for name, val in tensors.items():
+        idx, key = name.split(".", 1)
+        opt_state["state"].setdefault(int(idx), {})[key] = val
+    opt.load_state_dict(opt_state)
+    return meta
+
+
+def evaluate(model: Transformer, windows: torch.Tensor, byte_lengths: torch.Tensor) -> float:
+    """Bits per byte of `windows` ([N, T + 1]) under the model."""
+    model.eval()
+    nats, _, n_bytes = score_windows(model, windows, byte_lengths)
+    model.train()
+    return nats / math.log(2) / max(1, n_bytes)
+
+
+def _prepare_data(out: Path, recipe: Recipe, tokenizer_dir: str | Path | None):
+    """The run's tokenizer (trained once, or copied), train tokens, val windows, token byte lengths."""
+    if not (out / "tokenizer.json").exists():
+        if tokenizer_dir is not None:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(Path(tokenizer_dir) / name, out / name)
+        else:
+            data.save_tokenizer(data.train_tokenizer(recipe.vocab_size), out)
+    tok = data.load_tokenizer(out)
+    train_tokens, _ = data.encode_split(tok, "train")
+    val_tokens, _ = data.encode_split(tok, "val")
+    val_windows = data.eval_windows(val_tokens, recipe.seq_len, recipe.eval_windows)
+    return tok, train_tokens, val_windows, data.token_byte_lengths(tok)
+
+
+def _train_step(model, opt, x, y, lr: float, recipe: Recipe) -> float:
+    """One optimizer step under bf16 autocast; returns the loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        logits = model(x)                                              # (B, T, V)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def train(recipe: Recipe, out: str | Path, tokenizer_dir: str | Path | None = None,
+          device: torch.device | None = None, progress: bool = True,
+          stop_after: int | None = None) -> Path:
+    """Train (or resume) a model of `recipe.preset` into `out`; returns `out`.
+
+    `stop_after` ends the run early at that step, leaving the checkpoint to resume from.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = device or get_device()
+    torch.manual_seed(recipe.seed)
+    tok, train_tokens, val_windows, byte_lengths = _prepare_data(out, recipe, tokenizer_dir)
+    config = get_preset(recipe.preset)
+    config.vocab_size = len(tok)
+    model = Transformer(config).to(device).train()
+    opt = _optimizer(model, recipe)
+    ckpt = out / "checkpoint"
+    step, elapsed = 0, 0.0
+    if (ckpt / "state.json").exists():
+        meta = load_checkpoint(ckpt, model, opt)
+        step, elapsed = meta["step"], meta["elapsed_s"]
+        print(f"resuming from step {step}")
+
+    t0 = time.perf_counter() - elapsed
+    with (out / "train_log.jsonl").open("a") as log, \
+            tqdm(total=recipe.steps, initial=step, disable=not progress, desc=f"train {recipe.preset}") as bar:
+        while step < recipe.steps and (stop_after is None or step < stop_after):
+            rng = np.random.default_rng([recipe.seed, step])   # the batch depends only on the step
+            x, y = data.random_batch(train_tokens, recipe.batch_size, recipe.seq_len, rng)
+            loss = _train_step(model, opt, x.to(device), y.to(device), lr_at(step, recipe), recipe)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if step % recipe.eval_every == 0 or step == recipe.steps:
+                bpb = evaluate(model, val_windows, byte_lengths)
+                elapsed = time.perf_counter() - t0
+                entry = {"step": step, "train_loss": round(loss, 4), "val_bpb": round(bpb, 4),
+                         "tokens": step * recipe.batch_size * recipe.seq_len, "elapsed_s": round(elapsed, 1)}
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+                bar.write(f"step {step}: train loss {loss:.3f}, val bits/byte {bpb:.3f}")
+                save_checkpoint(ckpt, model, opt, step, recipe, elapsed)
+    if step < recipe.steps:
+        return out                                             # stopped early: resume later
+    model.save_pretrained(out)
+    (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")
+    shutil.rmtree(ckpt)                                        # the finished model replaces the resumable state
+    return out

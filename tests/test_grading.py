@@ -1,0 +1,258 @@
+"""infopt_lab.grading: assign keeps exercises in step with solutions; grade scores any submission fairly.
+
+Kernels are the slow part, so every fixture submission is graded in one grader run
+(one module-scoped fixture), and solutions/ + exercises/ in one command-line run.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from infopt_lab.grading.assign import check as assign_check
+from infopt_lab.grading.assign import exercise_text, strip_regions
+from infopt_lab.grading.checks import available_exercises, load_checks
+from infopt_lab.grading.cli import add_subcommands
+from infopt_lab.grading.grade import BadNotebook, GRADING_DIR, collect, grade, read_notebook
+from infopt_lab.grading.guard import FileGuard
+from infopt_lab.grading.kernel import Limits
+from infopt_lab.grading.protocol import NotDefined, ProtocolError, Tensor, encode_value, parse_reply
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "grading"
+LIMITS = Limits(cell_timeout=10, check_timeout=5, memory_mb=2048)
+MAX_SCORE = 20
+
+# case -> (score, {check name prefix: reason fragment} for every check that must fail, note fragment)
+EXPECTED = {
+    "raises": (13, {"time_to_first_token on": "(cell 8) raised RuntimeError: unfinished",
+                    "time_to_first_token with": "not defined", "time_per_output_token on": "not defined",
+                    "time_per_output_token with": "not defined", "tokens_per_second on": "not defined",
+                    "tokens_per_second with": "not defined", "the three metrics": "not defined"},
+               "raised RuntimeError: unfinished"),
+    "syntax_error": (13, {"greedy picks": "raised SyntaxError", "greedy breaks": "not defined",
+                          "sample_top_k stays": "not defined", "sample_top_k with k=1": "not defined",
+                          "sample_top_k with k at": "not defined", "sample_top_k follows": "not defined"},
+                     "raised SyntaxError"),
+    "infinite_loop": (19, {"time_per_output_token with": "ran past the check's 5 s time limit"},
+                      "ignored the interrupt; it was skipped"),
+    "exits": (12, {"memory_reduction": "the kernel died while running memory_reduction(2, 1)",
+                   "greedy picks": "ended the kernel", "greedy breaks": "ended the kernel",
+                   "sample_top_k stays": "ended the kernel", "sample_top_k with k=1": "ended the kernel",
+                   "sample_top_k with k at": "ended the kernel", "sample_top_k follows": "ended the kernel"},
+              "raised SystemExit: done for today"),
+    "huge_output": (20, {}, "the rest of its output was dropped"),
+    "memory_hog": (20, {}, "raised MemoryError (the memory cap is 2048 MB)"),
+    "hard_coded": (7, {"weight_memory_gb on other": "weight_memory_gb(0, 4) returned 26.08, expected 0",
+                       "memory_reduction": "memory_reduction(2, 1) returned 8, expected 2",
+                       "time_to_first_token with": "returned 0.25, expected 0.8",
+                       "time_per_output_token with": "returned 0.05",
+                       "tokens_per_second with": "returned 11.1111",
+                       "greedy picks": "returned 3, expected 10", "greedy breaks": "the first of the ties",
+                       "sample_top_k stays": "outside the top 4", "sample_top_k with k=1": "expected only 3",
+                       "sample_top_k with k at": "far from the top-4 softmax",
+                       "sample_top_k follows": "far from the top-3 softmax"}, None),
+    "tamper": (18, {"tokens_per_second on": "returned 25, expected 11.1111",
+                    "tokens_per_second with": "returned 1.81818, expected 1.33333"},
+               "modified the grader's file grading/checks/00_orientation.py; restored it"),
+    "invalid_json": (0, {name: "not a valid notebook: the file is not JSON" for name in
+                         [c.name for c in load_checks("00_orientation")]}, "not JSON"),
+}
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def fixture_reports():
+    """Grade every bad-submission fixture in one run; the submitted files and the grader stay untouched."""
+    notebooks = sorted(FIXTURES.glob("*/*.ipynb"))
+    grader_files = sorted(p for p in GRADING_DIR.rglob("*.py"))
+    before = [digest(p) for p in notebooks + grader_files]
+    reports = {r.id: r for r in grade([FIXTURES], LIMITS, progress=False)}
+    assert [digest(p) for p in notebooks + grader_files] == before
+    return reports
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """`infopt-lab grade solutions exercises --json DIR --csv FILE` through the command line."""
+    out = tmp_path_factory.mktemp("grade")
+    proc = subprocess.run([sys.executable, "-m", "infopt_lab.cli", "grade", "solutions", "exercises",
+                           "--json", str(out / "json"), "--csv", str(out / "class.csv")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return proc, out
+
+
+def test_fixtures_cover_every_case():
+    assert sorted(p.parent.name for p in FIXTURES.glob("*/*.ipynb")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_bad_submission_score_and_reasons(fixture_reports, case):
+    score, failures, note = EXPECTED[case]
+    report = fixture_reports[case]
+    assert report.max_score == MAX_SCORE
+    failed = {r.name: r.reason for r in report.results if not r.passed}
+    for prefix, fragment in failures.items():
+        matches = [name for name in failed if name.startswith(prefix)]
+        assert matches, f"{case}: expected a failed check starting {prefix!r}; failed: {failed}"
+        assert all(fragment in failed[m] for m in matches), f"{case}: {[failed[m] for m in matches]}"
+    assert all(any(n.startswith(p) for p in failures) for n in failed), f"{case}: unexpected failures {failed}"
+    assert report.score == score
+    assert all("\n" not in r.reason and "Traceback" not in r.reason for r in report.results)
+    if note:
+        assert any(note in n for n in report.notes), f"{case}: {report.notes}"
+
+
+def test_tamper_cannot_escape(fixture_reports):
+    notes = fixture_reports["tamper"].notes
+    assert any("deleted the grader's file grading/kernel_launcher.py; restored it" in n for n in notes)
+    assert any("wrote escaped.txt outside its folder; removed it" in n for n in notes)
+    assert any("re-ran the notebook" in n for n in notes)  # a kernel started after the launcher was deleted
+
+
+def test_solutions_full_marks_exercises_zero(cli_run):
+    proc, out = cli_run
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    for name in available_exercises():
+        solution = json.loads((out / "json" / f"solutions__{name}.json").read_text())
+        exercise = json.loads((out / "json" / f"exercises__{name}.json").read_text())
+        assert solution["score"] == solution["max_score"] == exercise["max_score"] > 0
+        assert exercise["score"] == 0
+        assert all(t["output"].startswith("not implemented") for t in exercise["tests"])
+
+
+def test_json_has_gradescope_shape(cli_run):
+    _, out = cli_run
+    for path in sorted((out / "json").glob("*.json")):
+        data = json.loads(path.read_text())
+        assert isinstance(data["score"], (int, float)) and isinstance(data["max_score"], (int, float))
+        assert data["tests"] and data["score"] == sum(t["score"] for t in data["tests"])
+        for test in data["tests"]:
+            assert set(test) >= {"name", "score", "max_score", "status", "output"}
+            assert test["status"] in {"passed", "failed"} and isinstance(test["output"], str)
+            assert test["score"] in (0, test["max_score"])
+
+
+def test_csv_has_one_row_per_submission(cli_run):
+    _, out = cli_run
+    with (out / "class.csv").open(newline="") as f:
+        rows = list(csv.reader(f))
+    header, body = rows[0], rows[1:]
+    names = available_exercises()
+    assert header[0] == "id" and header[-2:] == ["total", "max"]
+    assert len(header) == 3 + sum(len(load_checks(n)) for n in names)
+    assert [r[0] for r in body] == [f"{d}/{n}" for d in ("solutions", "exercises") for n in names]
+    assert all(len(r) == len(header) for r in body)
+    assert [r[-2] == r[-1] for r in body] == [True] * len(names) + [False] * len(names)
+
+
+def test_every_exercise_has_checks_solution_and_exercise():
+    assert available_exercises() == sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
+    for name in available_exercises():
+        assert (ROOT / "exercises" / f"{name}.ipynb").exists()
+
+
+def test_assign_check_passes_on_main():
+    assert assign_check(ROOT / "solutions", ROOT / "exercises") == []
+
+
+def run_cli(*argv: str) -> int:
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_assign_check_fails_naming_the_file_until_regenerated(tmp_path, capsys):
+    solutions, exercises = tmp_path / "solutions", tmp_path / "exercises"
+    shutil.copytree(ROOT / "solutions", solutions)
+    shutil.copytree(ROOT / "exercises", exercises)
+    nb = nbformat.read(solutions / "00_orientation.ipynb", as_version=4)
+    nb.cells[0].source += "\n\nOne more sentence."
+    nbformat.write(nb, solutions / "00_orientation.ipynb")
+    dirs = ["--solutions", str(solutions), "--exercises", str(exercises)]
+    assert run_cli("assign", "--check", *dirs) == 1
+    assert str(exercises / "00_orientation.ipynb") in capsys.readouterr().err
+    assert run_cli("assign", *dirs) == 0
+    assert run_cli("assign", "--check", *dirs) == 0
+
+
+def test_exercise_strips_answers_and_outputs_only():
+    solution = nbformat.read(ROOT / "solutions" / "00_orientation.ipynb", as_version=4)
+    exercise = nbformat.reads(exercise_text(ROOT / "solutions" / "00_orientation.ipynb"), as_version=4)
+    assert len(exercise.cells) == len(solution.cells) and exercise.metadata == solution.metadata
+    for s, e in zip(solution.cells, exercise.cells):
+        assert (s.cell_type, s.id) == (e.cell_type, e.id)
+        if "### BEGIN SOLUTION" in s.source:
+            assert "raise NotImplementedError()" in e.source and "### BEGIN SOLUTION" not in e.source
+        else:
+            assert s.source == e.source
+        if e.cell_type == "code":
+            assert e.outputs == [] and e.execution_count is None
+
+
+def test_strip_regions_keeps_indentation_and_rejects_unbalanced_markers():
+    source = "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n\nx = 2"
+    stub = ["# YOUR CODE HERE", "raise NotImplementedError()"]
+    assert strip_regions(source, stub, "nb") == ("def f():\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
+                                                 "\nx = 2")
+    with pytest.raises(ValueError, match="never closed"):
+        strip_regions("### BEGIN SOLUTION\nx = 1", stub, "nb, cell 3")
+    with pytest.raises(ValueError, match="without a"):
+        strip_regions("x = 1\n### END SOLUTION", stub, "nb, cell 3")
+
+
+def test_read_notebook_reasons(tmp_path):
+    cases = {"not_json.ipynb": b'{"cells": [', "binary.ipynb": b"\xff\xfe\x00",
+             "list.ipynb": b"[1, 2]",
+             "cells.ipynb": b'{"cells": 3, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}'}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(BadNotebook, match="not a valid notebook"):
+            read_notebook(tmp_path / name)
+
+
+def test_collect_names_submissions_by_file_or_folder(tmp_path):
+    (tmp_path / "alice.ipynb").write_text("{}")
+    (tmp_path / "bob").mkdir()
+    (tmp_path / "bob" / "00_orientation.ipynb").write_text("{}")
+    assert [s.id for s in collect([tmp_path])] == ["alice", "bob"]
+
+
+def test_guard_restores_files_without_following_links(tmp_path):
+    root, outside = tmp_path / "pkg", tmp_path / "outside.txt"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.py").write_text("a")
+    (root / "sub" / "b.py").write_text("b")
+    outside.write_text("keep me")
+    guard = FileGuard(root)
+    (root / "a.py").unlink()
+    (root / "a.py").symlink_to(outside)
+    (root / "sub" / "b.py").write_text("evil")
+    (root / "new.py").write_text("new")
+    notes = guard.restore()
+    assert (root / "a.py").read_text() == "a" and not (root / "a.py").is_symlink()
+    assert (root / "sub" / "b.py").read_text() == "b" and not (root / "new.py").exists()
+    assert outside.read_text() == "keep me" and len(notes) == 3
+
+
+def test_protocol_accepts_only_the_helpers_json():
+    assert encode_value([Tensor([1.0, 2.0]), 3]) == [{"__tensor__": [1.0, 2.0], "dtype": "float32"}, 3]
+    with pytest.raises(ProtocolError):
+        parse_reply({"user_expressions": {"r": {"data": {"text/plain": "'not json'"}}}}, "f", 1)
+    with pytest.raises(NotDefined):
+        parse_reply({"user_expressions": {"r": {"data": {"text/plain": repr('{"defined": false}')}}}}, "f", 1)
+    with pytest.raises(ValueError, match="must be positive"):
+        Limits(cell_timeout=0)
