@@ -1,0 +1,106 @@
+"""Graded checks, one module per exercise notebook: `checks/NN_topic.py` grades `NN_topic.ipynb`.
+
+A check is a function decorated with `@check(name, points)` that takes a
+`Submission` (see `infopt_lab.grading.grade`) and raises `CheckFailed` with a
+one-line reason when the answer is wrong. It reaches the student's code only
+through `sub.call(...)`, which returns plain data (numbers, lists, strings).
+Checks score all or nothing; they run in definition order.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..protocol import Raised
+
+EXERCISE_NAME = re.compile(r"^\d\d_[a-z0-9_]+$")
+
+
+class CheckFailed(Exception):
+    """The answer is wrong; the message is the one-line reason shown to the student."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One graded check: its name, its points and the function that runs it."""
+
+    name: str
+    points: float
+    run: Callable
+
+
+def check(name: str, points: float = 1) -> Callable:
+    """Mark a function as a graded check worth `points`."""
+    if points <= 0:
+        raise ValueError(f"points must be positive, got {points}")
+
+    def mark(fn: Callable) -> Callable:
+        fn.check_name, fn.check_points = name, points
+        return fn
+    return mark
+
+
+def available_exercises() -> list[str]:
+    """Exercise names that have a check module, e.g. ['00_orientation']."""
+    here = Path(__file__).parent
+    return sorted(p.stem for p in here.glob("*.py") if EXERCISE_NAME.match(p.stem))
+
+
+def load_checks(exercise: str) -> list[Check]:
+    """The checks of one exercise, in the order they are written in its module."""
+    if exercise not in available_exercises():
+        raise ValueError(f"no checks for exercise {exercise!r}; known: {', '.join(available_exercises())}")
+    module = importlib.import_module(f"{__name__}.{exercise}")
+    marked = [fn for _, fn in inspect.getmembers(module, inspect.isfunction) if hasattr(fn, "check_name")]
+    marked.sort(key=lambda fn: fn.__code__.co_firstlineno)
+    checks = [Check(fn.check_name, fn.check_points, fn) for fn in marked]
+    names = [c.name for c in checks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"check names in {exercise} must be unique, got {names}")
+    return checks
+
+
+# Helpers that check modules share; each raises CheckFailed with a reason a student can act on.
+
+def as_number(value, what: str) -> float:
+    """The value as a float, or CheckFailed if it is not a real number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckFailed(f"{what} returned {short(value)}, expected a number")
+    return float(value)
+
+
+def as_int(value, what: str) -> int:
+    """The value as an int (a 0-d integer tensor arrives as an int), or CheckFailed."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckFailed(f"{what} returned {short(value)}, expected an int token id")
+    return value
+
+
+def expect_close(value, expected: float, what: str, rel: float = 1e-6, abs_tol: float = 1e-9) -> None:
+    """CheckFailed unless `value` is a number within tolerance of `expected`."""
+    got = as_number(value, what)
+    if not math.isclose(got, expected, rel_tol=rel, abs_tol=abs_tol):
+        raise CheckFailed(f"{what} returned {got:.6g}, expected {expected:.6g}")
+
+
+def expect_raises(sub, error_type: str, name: str, *args) -> None:
+    """CheckFailed unless calling `name(*args)` raises `error_type` in the submission."""
+    what = f"{name}{args!r}" if len(args) != 1 else f"{name}({args[0]!r})"
+    try:
+        value = sub.call(name, *args)
+    except Raised as e:
+        if e.error_type != error_type:
+            raise CheckFailed(f"{what} raised {e.error_type}, expected {error_type}") from None
+        return
+    raise CheckFailed(f"{what} returned {short(value)}, expected it to raise {error_type}")
+
+
+def short(value) -> str:
+    """A repr cut to fit in a reason line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
