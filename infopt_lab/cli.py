@@ -1,4 +1,4 @@
-"""The `infopt-lab` command: doctor, train, bench."""
+"""The `infopt-lab` command: doctor, card, bench, train, assign, grade."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,17 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_card(args) -> int:
+    from .loading import BUNDLED
+    from .model_card import write_cards
+    unknown = [m for m in args.models if m not in BUNDLED]
+    if unknown:
+        print(f"infopt-lab card: unknown model {unknown}; choose from {list(BUNDLED)}", file=sys.stderr)
+        return 2
+    write_cards(args.models)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .train import RECIPES
     parser = argparse.ArgumentParser(prog="infopt-lab", description=__doc__)
@@ -34,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check the installation: Python, torch, device, Triton, models")
     p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("card", help="measure bundled models (val bits per byte, samples) and "
+                                    "write their MODEL_CARD.md")
+    p.add_argument("models", nargs="*", metavar="MODEL", default=["target", "draft"],
+                   help="target and/or draft (default: both)")
+    p.set_defaults(func=_cmd_card)
 
     from .bench import LADDER
     p = sub.add_parser("bench", help="measure the optimization ladder, side by side in one run")

@@ -89,7 +89,7 @@ def throughput(n_tokens: int, seconds: float) -> float:
 
 # -- memory ---------------------------------------------------------------------------------
 def weight_memory_gb(num_params: float, bytes_per_param: float) -> float:
-    """Memory of the weights in GB as the seed counts it: params x bytes / 1024**3."""
+    """Memory of the weights in GB as this course counts it: params x bytes / 1024**3."""
     if num_params < 0 or bytes_per_param <= 0:
         raise ValueError(f"num_params must be >= 0 and bytes_per_param > 0, got "
                          f"{num_params} and {bytes_per_param}")

@@ -3,7 +3,7 @@
 Conventions the notebook states and these checks hold the student to:
 
 - `weight_memory_gb(num_params, bytes_per_param)` = num_params * bytes_per_param / 1024**3
-  (the seed's "GB"); ValueError for num_params < 0 or bytes_per_param <= 0.
+  (the course's "GB"); ValueError for num_params < 0 or bytes_per_param <= 0.
 - `memory_reduction(from_bytes, to_bytes)` = from_bytes / to_bytes; ValueError if either is <= 0.
 - For a request started at `start` whose tokens arrived at `token_times` (seconds, sorted):
   TTFT = token_times[0] - start;
@@ -32,9 +32,9 @@ MAX_TV = 0.06  # total-variation bound; a correct sampler exceeds it with probab
 
 # --- memory footprint --------------------------------------------------------------------------
 
-@check("weight_memory_gb reproduces the seed's table (26.08 / 13.04 / 6.52 / 3.26 GB)", points=2)
+@check("weight_memory_gb reproduces the reference table (26.08 / 13.04 / 6.52 / 3.26 GB)", points=2)
 def seed_table(sub):
-    """The seed's four figures for a 7B model, to the two decimals it prints."""
+    """The reference figures for a 7B model, to two decimals."""
     for bytes_per_param, shown in [(4, 26.08), (2, 13.04), (1, 6.52), (0.5, 3.26)]:
         got = sub.call("weight_memory_gb", SEED_PARAMS, bytes_per_param)
         if not isinstance(got, (int, float)) or isinstance(got, bool) or round(got, 2) != shown:
@@ -56,7 +56,7 @@ def memory_rejects(sub):
     expect_raises(sub, "ValueError", "weight_memory_gb", 1000, 0)
 
 
-@check("memory_reduction gives the seed's 8.0x and other ratios")
+@check("memory_reduction gives the reference 8.0x and other ratios")
 def reduction(sub):
     """FP32 -> INT4 is 8.0x; other pairs catch a hard-coded 8.0."""
     for a, b in [(4, 0.5), (2, 1), (4, 1), (2, 0.5), (1, 1)]:
