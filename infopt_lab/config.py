@@ -12,7 +12,7 @@ class ModelConfig:
     n_heads: int = 4                # query heads H
     n_kv_heads: int = 2             # key/value heads (grouped-query attention when < n_heads)
     intermediate_size: int = 704    # SwiGLU hidden width
-    max_seq_len: int = 512          # longest context the model is trained and served at
+    max_seq_len: int = 512          # longest context served (size of the RoPE table, the cache default)
     rope_theta: float = 10000.0     # rotary embedding base
     norm_eps: float = 1e-5          # RMSNorm epsilon
     tie_embeddings: bool = True     # share the token embedding with the output head
@@ -106,9 +106,11 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # the bundled target: small enough to train on a laptop CPU, big enough to write Python
-    "target": ModelConfig(dim=256, n_layers=6, n_heads=8, n_kv_heads=2, intermediate_size=704),
+    "target": ModelConfig(dim=256, n_layers=6, n_heads=8, n_kv_heads=2, intermediate_size=704,
+                          max_seq_len=1024),
     # the bundled draft: at most one eighth of the target's parameters
-    "draft": ModelConfig(dim=96, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256),
+    "draft": ModelConfig(dim=96, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
+                         max_seq_len=1024),
     # a throwaway size for unit tests
     "tiny": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                         intermediate_size=128, max_seq_len=128),

@@ -72,7 +72,21 @@ def train_tokenizer(vocab_size: int = 4096, root: str | None = None):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(read_texts("train", root), trainer=trainer)
+    add_bos(tok)
     return tok
+
+
+def add_bos(tok) -> None:
+    """Start every encoded text with the special token, as every training file starts after one.
+
+    Without it a prompt looks like the middle of some file, and greedy decoding of a
+    function header drifts into whatever text it guesses came before.
+    """
+    from tokenizers import processors
+    bos = tok.token_to_id(SPECIAL_TOKEN)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIAL_TOKEN} $A", pair=f"{SPECIAL_TOKEN} $A {SPECIAL_TOKEN} $B",
+        special_tokens=[(SPECIAL_TOKEN, bos)])
 
 
 def save_tokenizer(tok, path: str | Path):

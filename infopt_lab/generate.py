@@ -92,7 +92,7 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, params: Sampl
 def _encode(model, tok, prompt: str) -> Tensor:
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
-    ids = tok.encode(prompt, add_special_tokens=False)
+    ids = tok.encode(prompt)                      # begins with the BOS token
     device = next(model.parameters()).device
     return torch.tensor([ids], dtype=torch.long, device=device)
 
@@ -114,7 +114,7 @@ def generate(model, tok, prompt: str, max_new_tokens: int = 64, temperature: flo
         new.append(int(token))
     ttft = times[0]
     tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return GenerationOutput(text=tok.decode(new), token_ids=new, prompt_ids=input_ids[0].tolist(),
+    return GenerationOutput(text=tok.decode(new, skip_special_tokens=True), token_ids=new, prompt_ids=input_ids[0].tolist(),
                             ttft_s=ttft, tpot_s=tpot, e2e_s=times[-1], token_times_s=times)
 
 
@@ -129,10 +129,10 @@ def stream(model, tok, prompt: str, max_new_tokens: int = 64, temperature: float
     shown = ""
     for token in generate_tokens(model, input_ids, max_new_tokens, params, True, eos):
         new.append(int(token))
-        text = tok.decode(new)
+        text = tok.decode(new, skip_special_tokens=True)
         if not text.endswith("\ufffd"):          # wait for the rest of a multi-byte character
             yield text[len(shown):]
             shown = text
-    text = tok.decode(new)
+    text = tok.decode(new, skip_special_tokens=True)
     if len(text) > len(shown):
         yield text[len(shown):]
