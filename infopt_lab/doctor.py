@@ -44,7 +44,7 @@ def run_doctor() -> int:
         model, tok = load_model("target") if not model_problems else (None, None)
         if model is not None:
             ids = tok.encode("def f(x):")
-            if tok.decode(ids) != "def f(x):":
+            if tok.decode(ids, skip_special_tokens=True) != "def f(x):":
                 problems.append("the target tokenizer does not round-trip text")
     except Exception as e:   # report, do not crash: doctor exists to describe breakage
         problems.append(f"loading the target failed: {type(e).__name__}: {e}")

@@ -92,6 +92,8 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, params: Sampl
 def _encode(model, tok, prompt: str) -> Tensor:
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one character of text")
     ids = tok.encode(prompt)                      # begins with the BOS token
     device = next(model.parameters()).device
     return torch.tensor([ids], dtype=torch.long, device=device)

@@ -30,7 +30,8 @@ def test_tokenizer_round_trips_and_counts_bytes():
     tok = data.load_tokenizer(bundled_model_dir("target"))
     text = "def f(x):\n    return {'é': x ** 2}  # ünïcode\n"
     ids = tok.encode(text)
-    assert tok.decode(ids) == text
+    assert ids[0] == tok.bos_token_id                       # prompts start like a file does
+    assert tok.decode(ids, skip_special_tokens=True) == text
     assert int(data.token_byte_lengths(tok)[ids].sum()) == len(text.encode("utf-8"))
 
 
