@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .device import synchronize
 from .kv_cache import KVCache
+from .metrics import request_metrics
 from .sampling import SamplingParams, make_generator, sample
 
 
@@ -80,6 +81,7 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, params: Sampl
     for i in range(max_new_tokens):
         token = sample(logits, params, generator)                     # (B,)
         yield token
+        # a single sequence may stop at EOS; a batch runs to max_new_tokens (the engine retires rows)
         if i == max_new_tokens - 1 or (eos_id is not None and B == 1 and int(token) == eos_id):
             return
         if use_cache:
@@ -114,10 +116,10 @@ def generate(model, tok, prompt: str, max_new_tokens: int = 64, temperature: flo
         synchronize(device)
         times.append(time.perf_counter() - start)
         new.append(int(token))
-    ttft = times[0]
-    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return GenerationOutput(text=tok.decode(new, skip_special_tokens=True), token_ids=new, prompt_ids=input_ids[0].tolist(),
-                            ttft_s=ttft, tpot_s=tpot, e2e_s=times[-1], token_times_s=times)
+    m = request_metrics(0.0, times)
+    return GenerationOutput(text=tok.decode(new, skip_special_tokens=True), token_ids=new,
+                            prompt_ids=input_ids[0].tolist(), ttft_s=m.ttft_s, tpot_s=m.tpot_s,
+                            e2e_s=m.e2e_s, token_times_s=times)
 
 
 def stream(model, tok, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
