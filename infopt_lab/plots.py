@@ -101,3 +101,68 @@ def memory_bars(values: Mapping[str, float], unit: str = "GB", ax: Axes | None =
     ax.set_ylim(0, max(values.values()) * 1.18)
     ax.set_title(title)
     return ax
+
+
+def roofline(peak_flops: float, bandwidth: float, measured: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+             predicted: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+             ax: Axes | None = None, title: str = "") -> Axes:
+    """Log-log roofline: the bound min(peak, bandwidth x intensity), measured points, predicted points.
+
+    `measured` and `predicted` map a label to (intensities in FLOP/byte, FLOP/s); a predicted
+    series is drawn hollow in the colour of the measured series with the same label.
+    """
+    ax = _axes(ax, (7, 4.2))
+    xs = [x for series in list(measured.values()) + list((predicted or {}).values()) for x in series[0]]
+    ridge = peak_flops / bandwidth
+    lo, hi = min(xs + [ridge]) / 4, max(xs + [ridge]) * 4
+    grid = np.geomspace(lo, hi, 200)
+    ax.loglog(grid, np.minimum(peak_flops, bandwidth * grid) / 1e9, color="black", lw=2, label="roofline (bound)")
+    ax.axvline(ridge, color="gray", ls=":", lw=1)
+    ax.text(ridge, peak_flops / 1e9 / 1.15, f" ridge {ridge:.1f} FLOP/B", va="top", color="gray")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (label, (x, y)), color in zip(measured.items(), colors):
+        ax.loglog(x, np.asarray(y) / 1e9, "o", color=color, label=f"{label}, measured")
+        if predicted and label in predicted:
+            px, py = predicted[label]
+            ax.loglog(px, np.asarray(py) / 1e9, "o", mfc="none", color=color, label=f"{label}, predicted")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")
+    return ax
+
+
+def lines(x: Sequence[float], curves: Mapping[str, Sequence[float]], ax: Axes | None = None,
+          xlabel: str = "", ylabel: str = "", title: str = "", logx: bool = False,
+          marker: str | None = "o") -> Axes:
+    """One line per label against a shared x axis (prefill time vs length, time per step vs position)."""
+    ax = _axes(ax, (6, 3.4))
+    for label, y in curves.items():
+        ax.plot(x, y, marker=marker, ms=3, label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(x), [str(v) for v in x])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    return ax
+
+
+def batch_scaling(batch_sizes: Sequence[int], step_s: Sequence[float], ax: Axes | None = None,
+                  title: str = "") -> Axes:
+    """Decode throughput (all requests) and per-request speed against batch size, from step times."""
+    ax = _axes(ax, (6, 3.6))
+    b, t = np.asarray(batch_sizes, dtype=float), np.asarray(step_s, dtype=float)
+    ax.plot(b, b / t, "o-", color="tab:blue", label="total tokens/s (throughput)")
+    ax.plot(b, b / t[0], ":", color="tab:blue", alpha=0.6, label="perfect scaling from batch 1")
+    ax.plot(b, 1 / t, "s-", color="tab:orange", label="tokens/s of each request")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(list(batch_sizes), [str(v) for v in batch_sizes])
+    ax.set_xlabel("batch size (requests decoded together)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return ax

@@ -45,3 +45,80 @@ def memory_calculator(precisions: Mapping[str, float], num_params: float = 7e9,
     dropdown.observe(redraw, "value")
     redraw()
     return W.VBox([W.HBox([slider, dropdown]), out])
+
+
+def kv_cache_line(config, context: int, batch: int, bytes_per_element: float) -> str:
+    """'KV cache: 2 x L x H_kv x D x context x batch x bytes = N GiB' for one setting."""
+    from .costs import kv_cache_bytes
+    nbytes = kv_cache_bytes(config, context, batch, bytes_per_element)
+    return (f"KV cache: 2 x {config.n_layers} layers x {config.n_kv_heads} KV heads x {config.head_dim} "
+            f"head dim x {context:,} tokens x batch {batch} x {bytes_per_element:g} bytes "
+            f"= {nbytes / 1024**3:,.3f} GiB")
+
+
+def _kv_controls(precisions: Mapping[str, float], n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 context: int, batch: int, budget_gib: float) -> dict[str, W.ValueWidget]:
+    """The calculator's controls, by name."""
+    style = dict(continuous_update=False, layout=W.Layout(width="320px"), style={"description_width": "110px"})
+    return {
+        "layers": W.IntSlider(value=n_layers, min=1, max=128, description="layers", **style),
+        "heads": W.IntSlider(value=n_heads, min=1, max=128, description="query heads", **style),
+        "kv_heads": W.IntSlider(value=n_kv_heads, min=1, max=128, description="KV heads", **style),
+        "head_dim": W.Dropdown(options=[32, 64, 80, 96, 128, 256], value=head_dim, description="head dim",
+                               style=style["style"]),
+        "context": W.IntSlider(value=context, min=256, max=131072, step=256, description="context", **style),
+        "batch": W.IntSlider(value=batch, min=1, max=256, description="batch", **style),
+        "precision": W.Dropdown(options=list(precisions), value=list(precisions)[1], description="precision",
+                                style=style["style"]),
+        "budget": W.FloatSlider(value=budget_gib, min=1, max=640, step=1, description="memory (GiB)", **style),
+    }
+
+
+def _draw_kv(config, context: int, batch: int, bytes_per_element: float, budget_gib: float) -> None:
+    """Print the KV size and the largest batch that fits; plot KV memory against batch size."""
+    from .costs import kv_cache_bytes
+    per_seq = kv_cache_bytes(config, context, 1, bytes_per_element) / 1024**3
+    print(kv_cache_line(config, context, batch, bytes_per_element))
+    print(f"one sequence of {context:,} tokens: {per_seq:,.3f} GiB; {budget_gib:g} GiB holds the caches of at "
+          f"most {int(budget_gib // per_seq)} such sequences ({config.n_heads // config.n_kv_heads} query heads "
+          f"share each KV head)")
+    sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch})
+    ax = plt.subplots(figsize=(6, 2.6))[1]
+    ax.plot(sizes, [s * per_seq for s in sizes], "o-")
+    ax.axhline(budget_gib, color="tab:red", ls="--", label=f"memory {budget_gib:g} GiB")
+    ax.plot([batch], [batch * per_seq], "o", ms=10, mfc="none", color="black")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("KV cache (GiB)")
+    ax.legend()
+    plt.show()
+
+
+def kv_cache_calculator(precisions: Mapping[str, float], n_layers: int = 32, n_heads: int = 32,
+                        n_kv_heads: int = 8, head_dim: int = 128, context: int = 4096, batch: int = 8,
+                        budget_gib: float = 40.0) -> W.VBox:
+    """Layers, heads, KV heads, context, batch, precision -> KV memory and the largest batch that fits."""
+    from .config import ModelConfig
+    c = _kv_controls(precisions, n_layers, n_heads, n_kv_heads, head_dim, context, batch, budget_gib)
+    out = W.Output()
+
+    def redraw(_=None) -> None:
+        with out:
+            out.clear_output(wait=True)
+            try:
+                cfg = ModelConfig(vocab_size=1, dim=c["heads"].value * c["head_dim"].value,
+                                  n_layers=c["layers"].value, n_heads=c["heads"].value,
+                                  n_kv_heads=c["kv_heads"].value, intermediate_size=1,
+                                  max_seq_len=c["context"].value)
+            except ValueError as e:
+                print(f"not a valid shape: {e}")
+                return
+            _draw_kv(cfg, c["context"].value, c["batch"].value, precisions[c["precision"].value],
+                     c["budget"].value)
+
+    for w in c.values():
+        w.observe(redraw, "value")
+    redraw()
+    left = W.VBox([c[k] for k in ("layers", "heads", "kv_heads", "head_dim")])
+    right = W.VBox([c[k] for k in ("context", "batch", "precision", "budget")])
+    return W.VBox([W.HBox([left, right]), out])

@@ -1,0 +1,233 @@
+"""The cost model: FLOPs and bytes of a forward pass, arithmetic intensity, the roofline.
+
+Counts follow `Transformer.forward` exactly: every projection is a matrix product
+(2 FLOPs per multiply-add), attention scores q.k and the weighted sum of values each count
+2 x D FLOPs per (query, key) pair per head, and the output head computes logits at
+every position. Bytes are the minimum traffic to and from memory: every weight
+read once per forward pass, the KV cache read up to the last position and written
+at the new positions, and each matrix product reading its input and writing its
+output once (norms, RoPE and other element-wise work are left out: a good engine
+fuses them into the products). Shapes: B batch, T new tokens, S cached positions.
+
+The roofline turns a cost into a time: a pass can go no faster than its FLOPs at
+the device's peak FLOP/s, nor than its bytes at the device's memory bandwidth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import torch
+
+from .config import ModelConfig
+from .device import default_dtype, get_device
+from .metrics import time_fn
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _positive_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of bytes (e.g. 4, 2, 1, 0.5), got {value!r}")
+    return value
+
+
+def kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1,
+                   bytes_per_element: float = 2) -> int | float:
+    """Bytes of the KV cache: 2 (K and V) x layers x KV heads x head dim x seq_len x batch x bytes."""
+    _positive_int("seq_len", seq_len)
+    _positive_int("batch_size", batch_size)
+    _positive_number("bytes_per_element", bytes_per_element)
+    elements = 2 * config.n_layers * config.n_kv_heads * config.head_dim * seq_len * batch_size
+    total = elements * bytes_per_element
+    return int(total) if float(total).is_integer() else total
+
+
+def arithmetic_intensity(m: int, k: int, n: int, bytes_per_element: float = 2) -> float:
+    """FLOPs per byte of [m, k] @ [k, n]: 2mkn FLOPs over (mk + kn + mn) elements read or written once."""
+    for name, value in (("m", m), ("k", k), ("n", n)):
+        _positive_int(name, value)
+    _positive_number("bytes_per_element", bytes_per_element)
+    return 2 * m * k * n / ((m * k + k * n + m * n) * bytes_per_element)
+
+
+def param_count(config: ModelConfig) -> int:
+    """Parameters of a `Transformer` with this config (a tied output head counted once)."""
+    C, D, H, H_kv, I = config.dim, config.head_dim, config.n_heads, config.n_kv_heads, config.intermediate_size
+    attention = C * H * D + 2 * C * H_kv * D + H * D * C + (H * D + 2 * H_kv * D) * config.qkv_bias
+    per_layer = attention + 3 * C * I + 2 * C                          # projections, MLP, two RMSNorms
+    embeddings = config.vocab_size * C * (1 if config.tie_embeddings else 2)
+    return embeddings + config.n_layers * per_layer + C                 # + the final norm
+
+
+def llama_7b(n_kv_heads: int = 32, max_seq_len: int = 4096) -> ModelConfig:
+    """The shape of a 7B Llama model (32 layers, width 4096, 32 heads of 128); fewer KV heads = GQA."""
+    return ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=n_kv_heads,
+                       intermediate_size=11008, max_seq_len=max_seq_len, tie_embeddings=False)
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """What one forward pass computes and moves."""
+
+    linear_flops: float       # every projection and the output head
+    attention_flops: float    # scores q.k and the weighted sum of values
+    weight_bytes: float       # every weight read once
+    kv_read_bytes: float      # cached keys and values read by attention
+    kv_write_bytes: float     # new keys and values written to the cache
+    activation_bytes: float   # inputs and outputs of the matrix products, logits included
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity: FLOPs per byte moved."""
+        return self.flops / self.bytes
+
+
+def forward_cost(config: ModelConfig, batch_size: int = 1, seq_len: int = 1, past_len: int = 0,
+                 bytes_per_param: float = 2, bytes_per_element: float = 2,
+                 use_cache: bool = True) -> ForwardCost:
+    """Cost of one forward pass over `seq_len` new tokens per sequence after `past_len` cached ones."""
+    B, T = _positive_int("batch_size", batch_size), _positive_int("seq_len", seq_len)
+    if isinstance(past_len, bool) or not isinstance(past_len, int) or past_len < 0:
+        raise ValueError(f"past_len must be an integer >= 0, got {past_len!r}")
+    if past_len and not use_cache:
+        raise ValueError("past_len > 0 needs use_cache=True: without a cache there is no past to read")
+    _positive_number("bytes_per_param", bytes_per_param)
+    _positive_number("bytes_per_element", bytes_per_element)
+    C, D, H, H_kv = config.dim, config.head_dim, config.n_heads, config.n_kv_heads
+    I, V, L = config.intermediate_size, config.vocab_size, config.n_layers
+    # per token: multiply-adds of the layer projections, then the output head
+    layer_macs = C * H * D + 2 * C * H_kv * D + H * D * C + 3 * C * I
+    linear_flops = 2 * B * T * (L * layer_macs + C * V)
+    # query i of this call sees past_len + i + 1 keys (causal); scores and values each 2 D FLOPs per pair
+    pairs = T * past_len + T * (T + 1) // 2
+    attention_flops = 2 * 2 * B * L * H * D * pairs
+    # activations: each product reads its input and writes its output once
+    per_layer_io = (C + H * D) + 2 * (C + H_kv * D) + (H * D + C) + 2 * (C + I) + (I + C)
+    activation_bytes = B * T * (L * per_layer_io + C + V) * bytes_per_element
+    kv_read = kv_cache_bytes(config, past_len + T, B, bytes_per_element) if use_cache else 0
+    kv_write = kv_cache_bytes(config, T, B, bytes_per_element) if use_cache else 0
+    return ForwardCost(linear_flops=float(linear_flops), attention_flops=float(attention_flops),
+                       weight_bytes=float(param_count(config) * bytes_per_param),
+                       kv_read_bytes=float(kv_read), kv_write_bytes=float(kv_write),
+                       activation_bytes=float(activation_bytes))
+
+
+def prefill_cost(config: ModelConfig, prompt_len: int, batch_size: int = 1, **bytes_kw) -> ForwardCost:
+    """The prompt's forward pass: `prompt_len` tokens per sequence, written to the cache."""
+    return forward_cost(config, batch_size, prompt_len, 0, **bytes_kw)
+
+
+def decode_cost(config: ModelConfig, context_len: int, batch_size: int = 1, **bytes_kw) -> ForwardCost:
+    """One decode step: one new token per sequence after `context_len` cached positions."""
+    return forward_cost(config, batch_size, 1, _positive_int("context_len", context_len), **bytes_kw)
+
+
+def generation_cost(config: ModelConfig, prompt_len: int, new_tokens: int, use_cache: bool = True,
+                    batch_size: int = 1, **bytes_kw) -> ForwardCost:
+    """Total cost of a prompt plus `new_tokens` greedy steps, with the KV cache or recomputing everything."""
+    _positive_int("prompt_len", prompt_len)
+    _positive_int("new_tokens", new_tokens)
+    if use_cache:    # prefill, then one-token steps at positions prompt_len .. prompt_len + new_tokens - 2
+        passes = [prefill_cost(config, prompt_len, batch_size, **bytes_kw)]
+        passes += [decode_cost(config, prompt_len + i, batch_size, **bytes_kw) for i in range(new_tokens - 1)]
+    else:            # every step runs the whole sequence so far
+        passes = [forward_cost(config, batch_size, prompt_len + i, use_cache=False, **bytes_kw)
+                  for i in range(new_tokens)]
+    fields = ForwardCost.__dataclass_fields__
+    return ForwardCost(**{f: sum(getattr(p, f) for p in passes) for f in fields})
+
+
+# -- the roofline ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Roofline:
+    """A device as two numbers: peak FLOP/s and memory bandwidth in bytes/s."""
+
+    peak_flops: float
+    bandwidth: float
+
+    def __post_init__(self):
+        if not (self.peak_flops > 0 and self.bandwidth > 0):
+            raise ValueError(f"peak_flops and bandwidth must be > 0, got {self.peak_flops} and {self.bandwidth}")
+
+    @property
+    def ridge(self) -> float:
+        """The intensity (FLOP/byte) where compute and memory take equal time."""
+        return self.peak_flops / self.bandwidth
+
+    def attainable(self, intensity: float) -> float:
+        """The best FLOP/s at this intensity: min(peak, bandwidth x intensity)."""
+        return min(self.peak_flops, self.bandwidth * intensity)
+
+    def time(self, cost: ForwardCost) -> float:
+        """The shortest time a pass can take: the larger of compute time and memory time."""
+        return max(cost.flops / self.peak_flops, cost.bytes / self.bandwidth)
+
+    def bound(self, cost: ForwardCost) -> str:
+        """'memory' or 'compute': which side of the ridge the pass sits on."""
+        return "compute" if cost.intensity >= self.ridge else "memory"
+
+
+def measure_matmul_flops(n: int | None = None, dtype: torch.dtype | None = None,
+                         device: torch.device | str | None = None, repeats: int = 5) -> float:
+    """Measured FLOP/s of a square n x n matrix product: the device's practical compute peak."""
+    device = torch.device(device) if device is not None else get_device()
+    dtype = dtype or default_dtype(device)
+    n = n or (4096 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = time_fn(lambda: a @ b, repeats=repeats, warmup=2, device=device)
+    return 2 * n ** 3 / seconds
+
+
+def measure_roofline(device: torch.device | str | None = None) -> Roofline:
+    """Peak FLOP/s from a matrix product and bandwidth from a large copy, on this device."""
+    from .metrics import measure_bandwidth_gbs
+    return Roofline(peak_flops=measure_matmul_flops(device=device),
+                    bandwidth=measure_bandwidth_gbs(device=device) * 1e9)
+
+
+# -- the same passes, timed on a real model ------------------------------------------------
+def _random_ids(model, batch_size: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(model.config.vocab_size, (batch_size, length), generator=g)
+    return ids.to(next(model.parameters()).device)                   # (B, T)
+
+
+@torch.inference_mode()
+def time_prefill(model, prompt_len: int, batch_size: int = 1, repeats: int = 3) -> float:
+    """Median seconds of one prefill of `prompt_len` random tokens per sequence, cache included."""
+    from .generate import prefill
+    from .kv_cache import KVCache
+    ids = _random_ids(model, _positive_int("batch_size", batch_size), _positive_int("prompt_len", prompt_len))
+    cache = KVCache.for_model(model, batch_size, prompt_len)
+    return time_fn(lambda: prefill(model, ids, cache), repeats=repeats, warmup=1, device=ids.device)
+
+
+@torch.inference_mode()
+def time_decode_step(model, batch_size: int = 1, context_len: int = 32, steps: int = 16,
+                     repeats: int = 3) -> float:
+    """Median seconds of one decode step (batch_size new tokens) after `context_len` cached positions."""
+    from .generate import decode_one_token, prefill
+    from .kv_cache import KVCache
+    ids = _random_ids(model, _positive_int("batch_size", batch_size), _positive_int("context_len", context_len))
+    cache = KVCache.for_model(model, batch_size, context_len + _positive_int("steps", steps))
+    token = prefill(model, ids, cache).argmax(-1, keepdim=True)                      # (B, 1)
+
+    def run_steps():
+        for i in range(steps):    # the same positions every repeat: the cache is overwritten in place
+            decode_one_token(model, token, context_len + i, cache)
+
+    return time_fn(run_steps, repeats=repeats, warmup=1, device=ids.device) / steps
