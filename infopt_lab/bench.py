@@ -90,8 +90,148 @@ def bench_decode(model_name: str = "target", new_tokens: int = 128, repeats: int
     return r
 
 
+# A fixed piece of library-style code: the kv rung's prompt is its first `prompt_tokens` tokens.
+KV_PROMPT_TEXT = '''"""Helpers for reading configuration files."""
+import os
+import sys
+
+
+def read_config(path, defaults=None):
+    """Return the settings in `path` as a dict, falling back to `defaults`."""
+    settings = dict(defaults or {})
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            settings[key.strip()] = value.strip()
+    return settings
+'''
+
+
+@dataclass
+class KVComparison:
+    """Greedy decoding of one prompt with the KV cache and by recomputing, timed token by token."""
+
+    prompt_len: int
+    cached_ids: list[int]
+    recomputed_ids: list[int]
+    cached_times_s: list[float]      # when each new token was ready, from the start of the request
+    recomputed_times_s: list[float]
+
+    @property
+    def same_tokens(self) -> bool:
+        return self.cached_ids == self.recomputed_ids
+
+    @property
+    def cached_s(self) -> float:
+        return self.cached_times_s[-1]
+
+    @property
+    def recomputed_s(self) -> float:
+        return self.recomputed_times_s[-1]
+
+    @property
+    def speedup(self) -> float:
+        """Recompute time / cached time for the whole request."""
+        return self.recomputed_s / self.cached_s
+
+    @staticmethod
+    def step_times(times_s: list[float]) -> list[float]:
+        """Seconds each token took: the first is the prefill, then one per decode step."""
+        return [b - a for a, b in zip([0.0] + times_s, times_s)]
+
+
+def timed_greedy(model, input_ids: torch.Tensor, new_tokens: int,
+                 use_cache: bool) -> tuple[list[int], list[float]]:
+    """Greedy tokens and when each was ready (seconds from the start), with or without the KV cache."""
+    from .generate import generate_tokens
+    from .sampling import SamplingParams
+    device = input_ids.device
+    tokens, times = [], []
+    synchronize(device)
+    start = time.perf_counter()
+    for token in generate_tokens(model, input_ids, new_tokens, SamplingParams(temperature=0.0), use_cache):
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+        tokens.append(int(token[0]))
+    return tokens, times
+
+
+def kv_prompt_ids(tok, prompt_tokens: int = 32, device=None) -> torch.Tensor:
+    """The kv rung's prompt: the first `prompt_tokens` tokens of KV_PROMPT_TEXT, [1, T]."""
+    ids = tok.encode(KV_PROMPT_TEXT, add_special_tokens=False)
+    if not 1 <= prompt_tokens <= len(ids):
+        raise ValueError(f"prompt_tokens must be between 1 and {len(ids)}, got {prompt_tokens}")
+    return torch.tensor([ids[:prompt_tokens]], device=device)
+
+
+def kv_comparison(model, input_ids: torch.Tensor, new_tokens: int = 512) -> KVComparison:
+    """Decode `new_tokens` greedily with the cache and by recomputation, one run each, after a warm-up."""
+    timed_greedy(model, input_ids, 8, use_cache=True)              # warm-up: allocator, kernels
+    timed_greedy(model, input_ids, 2, use_cache=False)
+    cached_ids, cached_t = timed_greedy(model, input_ids, new_tokens, use_cache=True)
+    recomputed_ids, recomputed_t = timed_greedy(model, input_ids, new_tokens, use_cache=False)
+    return KVComparison(input_ids.shape[1], cached_ids, recomputed_ids, cached_t, recomputed_t)
+
+
+def bench_kv(model_name: str = "target", new_tokens: int = 512, prompt_tokens: int = 32) -> Result:
+    """Greedy decode with the KV cache vs recomputing the whole sequence every step, in one run."""
+    from .costs import generation_cost
+    device = get_device()
+    model, tok = load_model(model_name, device=device)
+    ids = kv_prompt_ids(tok, prompt_tokens, device)
+    c = kv_comparison(model, ids, new_tokens)
+    flops = {use: generation_cost(model.config, prompt_tokens, new_tokens, use_cache=use).flops
+             for use in (True, False)}
+    cached_steps, recomputed_steps = c.step_times(c.cached_times_s), c.step_times(c.recomputed_times_s)
+    r = Result("kv: greedy decode, KV cache vs recomputation")
+    r.add("model", f"{model_name} ({model.num_parameters() / 1e6:.2f}M params, "
+                   f"{next(model.parameters()).dtype}, {device})")
+    r.add("prompt / new tokens", f"{prompt_tokens} / {new_tokens}")
+    r.add("with KV cache", f"{c.cached_s:.2f} s  ({new_tokens / c.cached_s:.1f} tokens/s, "
+                           f"last step {cached_steps[-1] * 1e3:.2f} ms)")
+    r.add("recomputing", f"{c.recomputed_s:.2f} s  ({new_tokens / c.recomputed_s:.1f} tokens/s, "
+                         f"last step {recomputed_steps[-1] * 1e3:.2f} ms)")
+    r.add("speedup of the cache", f"{c.speedup:.1f}x")
+    r.add("FLOPs ratio (cost model)", f"{flops[False] / flops[True]:.1f}x")
+    r.add("same greedy tokens", str(c.same_tokens))
+    r.values = {"same_tokens": c.same_tokens, "speedup": c.speedup, "cached_s": c.cached_s,
+                "recomputed_s": c.recomputed_s, "flops_ratio": flops[False] / flops[True]}
+    return r
+
+
+def bench_quant(model_name: str = "target", max_tokens: int | None = None) -> Result:
+    """Every quantization scheme on one model (memory, speed, quality), and the int8 vs bf16 matmul."""
+    from .quant_eval import default_schemes, format_table, matmul_speedup, scheme_table
+    device = get_device()
+    model, tok = load_model(model_name, device=device)
+    schemes = default_schemes(model, tok)
+    rows = scheme_table(model, tok, schemes, max_tokens=max_tokens,
+                        progress=lambda name: print(f"  measuring {name} ...", flush=True))
+    mm = matmul_speedup(device=str(device))
+    by_name = {row.name: row for row in rows}
+    r = Result("quant: weight and KV-cache quantization, batch 1")
+    r.add("model", f"{model_name} ({model.num_parameters() / 1e6:.2f}M params, {device}); "
+                   f"perplexity over {'all' if max_tokens is None else max_tokens} val tokens")
+    for line in format_table(rows).splitlines():
+        r.add("", line)
+    r.add("4096x4096 matmul, batch 1", f"bf16 {mm['bf16_s'] * 1e3:.2f} ms, int8 weight-only "
+                                       f"{mm['int8_s'] * 1e3:.2f} ms: {mm['speedup']:.2f}x")
+    base = by_name["fp32"].perplexity
+    gptq_name = next(n for n in by_name if "GPTQ" in n)
+    r.values = {"int8_matmul_speedup": mm["speedup"], "rows": rows,
+                "int8_ppl_increase": by_name["int8 per-channel"].perplexity / base - 1,
+                "int4_g64_ppl_increase": by_name["int4 g64"].perplexity / base - 1,
+                "gptq_beats_rtn": by_name[gptq_name].perplexity < by_name["int4 g64"].perplexity}
+    return r
+
+
 LADDER: dict[str, Callable[..., Result]] = {
     "decode": bench_decode,
+    "kv": bench_kv,
+    "quant": bench_quant,
 }
 
 
@@ -107,3 +247,4 @@ def run(only: list[str] | None = None, **kwargs) -> list[Result]:
         print(result.render(), flush=True)
         results.append(result)
     return results
+

@@ -1,0 +1,79 @@
+"""W4A16 matmul: y = x @ W.T where W is int4, packed two per byte, with a scale and zero point per group.
+
+The plain-PyTorch reference unpacks and dequantizes the whole weight to floats,
+then multiplies: it writes and re-reads N*K floats (4 or 2 bytes each) beyond the
+N*K/2 bytes of packed weight. The Triton kernel dequantizes each [BLOCK_N, BLOCK_K]
+tile in registers right after loading it, so only the packed bytes cross memory.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..device import HAS_TRITON
+from . import require_interpreter
+from ..quantize import dequantize, unpack_int4
+
+
+def int4_matmul_reference(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+    """x [M, K] @ dequantized W.T -> [M, N]; packed [N, K/2] uint8, scales/zeros [N, K/G]."""
+    w = dequantize(unpack_int4(packed), scales, zeros, dtype=torch.float32)   # (N, K)
+    return (x.float() @ w.T).to(x.dtype)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _int4_matmul_kernel(
+        x_ptr, w_ptr, s_ptr, z_ptr, y_ptr,        # x [M, K], packed w [N, K/2], scales/zeros [N, K/G], y [M, N]
+        M, N, K,                                  # problem size
+        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg, stride_ym, stride_yn,
+        GROUP: tl.constexpr,                      # quantization group size along K
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # rows of x and y
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # rows of W, columns of y
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)      # (BLOCK_M, BLOCK_K)
+            wmask = (rn[:, None] < N) & (rk[None, :] < K)
+            byte = tl.load(w_ptr + rn[:, None] * stride_wn + (rk[None, :] // 2) * stride_wk,
+                           mask=wmask, other=0)                                  # (BLOCK_N, BLOCK_K) uint8
+            q = (byte >> ((rk[None, :] % 2) * 4).to(tl.uint8)) & 0xF                # low nibble = even k
+            g = rk[None, :] // GROUP
+            s = tl.load(s_ptr + rn[:, None] * stride_sn + g * stride_sg, mask=wmask, other=0.0)
+            z = tl.load(z_ptr + rn[:, None] * stride_sn + g * stride_sg, mask=wmask, other=0)
+            w = (q.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)         # (BLOCK_N, BLOCK_K)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w))
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
+                 acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
+                block_m: int = 16, block_n: int = 32, block_k: int = 32) -> Tensor:
+    """The Triton kernel: x [M, K] @ dequantized W.T -> [M, N], same arguments as the reference."""
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed here; use int4_matmul_reference")
+    if x.device.type != "cuda":
+        require_interpreter()
+    M, K = x.shape
+    N, half_k = packed.shape
+    if packed.dtype != torch.uint8 or half_k * 2 != K:
+        raise ValueError(f"packed must be uint8 [N, K/2] = [{N}, {K // 2}], got {packed.dtype} {tuple(packed.shape)}")
+    if scales.shape != zeros.shape or scales.shape[0] != N or K % scales.shape[1]:
+        raise ValueError(f"scales and zeros must be [N, K/G] with G dividing K={K}, got "
+                         f"{tuple(scales.shape)} and {tuple(zeros.shape)}")
+    group = K // scales.shape[1]
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _int4_matmul_kernel[grid](
+        x, packed, scales, zeros, y, M, N, K,
+        x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
+        scales.stride(0), scales.stride(1), y.stride(0), y.stride(1),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y

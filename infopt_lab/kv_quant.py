@@ -1,0 +1,63 @@
+"""An int8 KV cache: keys and values stored as int8 with one scale per head and position.
+
+Same `update` contract as `KVCache`: write a layer's new keys and values at
+`input_pos`, get back that layer's cache up to the last written position, in the
+compute dtype, ready for attention. Each head's [D] vector at each position is
+scaled by its own absmax, so one outlier token cannot coarsen the others.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import ModelConfig
+
+SCALE_DTYPE = torch.float16   # scales in 16 bits: 2 bytes per head and position
+
+
+def quantize_heads(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Absmax int8 over the last dim: x [B, H, T, D] -> (q int8 [B, H, T, D], scale [B, H, T])."""
+    scale = x.float().abs().amax(dim=-1).clamp(min=1e-6) / 127   # (B, H, T)
+    q = torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(SCALE_DTYPE)
+
+
+class QuantizedKVCache:
+    """A contiguous int8 cache: k_q, v_q [L, B, H_kv, S, D] int8 and k_scale, v_scale [L, B, H_kv, S]."""
+
+    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.max_seq_len = max_seq_len or config.max_seq_len
+        self.dtype = dtype                                       # what `update` returns
+        shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_seq_len, config.head_dim)
+        self.k_q = torch.zeros(shape, dtype=torch.int8, device=device)     # (L, B, H_kv, S, D)
+        self.v_q = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)  # (L, B, H_kv, S)
+        self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+
+    @classmethod
+    def for_model(cls, model, batch_size: int = 1, max_seq_len: int | None = None) -> "QuantizedKVCache":
+        """A cache matching a model's config, compute dtype and device."""
+        p = next(model.parameters())
+        return cls(model.config, batch_size, max_seq_len, dtype=p.dtype, device=p.device)
+
+    def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # input_pos: [T] consecutive positions, k/v: [B, H_kv, T, D]
+        start, T = int(input_pos[0]), k.shape[2]
+        end = start + T
+        if end > self.max_seq_len:
+            raise ValueError(f"position {end - 1} is past the cache's {self.max_seq_len} slots")
+        self.k_q[layer, :, :, start:end], self.k_scale[layer, :, :, start:end] = quantize_heads(k)
+        self.v_q[layer, :, :, start:end], self.v_scale[layer, :, :, start:end] = quantize_heads(v)
+        return self._read(self.k_q, self.k_scale, layer, end), self._read(self.v_q, self.v_scale, layer, end)
+
+    def _read(self, q: Tensor, scale: Tensor, layer: int, end: int) -> Tensor:
+        # (B, H_kv, end, D) int8 * (B, H_kv, end, 1) -> compute dtype
+        return (q[layer, :, :, :end].to(self.dtype) * scale[layer, :, :, :end, None].to(self.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache tensors, scales included."""
+        return sum(t.numel() * t.element_size() for t in (self.k_q, self.v_q, self.k_scale, self.v_scale))
