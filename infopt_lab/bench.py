@@ -13,7 +13,7 @@ import torch
 
 from .device import get_device, synchronize
 from .loading import load_model, resolve_model_dir
-from .metrics import measure_bandwidth_gbs, model_weight_bytes
+from .metrics import measure_bandwidth_gbs, model_weight_bytes, time_fn
 
 DEFAULT_PROMPT = "import os\n\n\ndef walk_files(root):\n    "
 
@@ -33,15 +33,9 @@ class Result:
         return "\n".join(lines)
 
 
-def _median_time(fn: Callable[[], object], repeats: int, device) -> float:
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+def _describe(model_name: str, model, device) -> str:
+    """'target (5.28M params, torch.float32, cpu)' for a Result's model row."""
+    return f"{model_name} ({model.num_parameters() / 1e6:.2f}M params, {next(model.parameters()).dtype}, {device})"
 
 
 def bench_decode(model_name: str = "target", new_tokens: int = 128, repeats: int = 3,
@@ -65,8 +59,8 @@ def bench_decode(model_name: str = "target", new_tokens: int = 128, repeats: int
                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
 
     ours(), theirs()                                           # warm-up: allocator, kernels, caches
-    t_ours = _median_time(ours, repeats, device)
-    t_hf = _median_time(theirs, repeats, device)
+    t_ours = time_fn(ours, repeats=repeats, warmup=0, device=device)
+    t_hf = time_fn(theirs, repeats=repeats, warmup=0, device=device)
     same = ours().token_ids == theirs()[0, n_prompt:].tolist()
     out = ours()                                               # for TTFT and TPOT
 
@@ -74,8 +68,7 @@ def bench_decode(model_name: str = "target", new_tokens: int = 128, repeats: int
     bandwidth = measure_bandwidth_gbs(device=device)
     bound = bandwidth * 1e9 / weight_bytes                     # tokens/s if each step streamed the weights once
     r = Result("decode: batch 1, greedy, KV cache")
-    r.add("model", f"{model_name} ({model.num_parameters() / 1e6:.2f}M params, "
-                   f"{next(model.parameters()).dtype}, {device})")
+    r.add("model", _describe(model_name, model, device))
     r.add("prompt / new tokens", f"{n_prompt} / {new_tokens}")
     r.add("infopt_lab tokens/s", f"{new_tokens / t_ours:.1f}  (TTFT {out.ttft_s * 1e3:.1f} ms, "
                                  f"TPOT {out.tpot_s * 1e3:.2f} ms)")
@@ -187,8 +180,7 @@ def bench_kv(model_name: str = "target", new_tokens: int = 512, prompt_tokens: i
              for use in (True, False)}
     cached_steps, recomputed_steps = c.step_times(c.cached_times_s), c.step_times(c.recomputed_times_s)
     r = Result("kv: greedy decode, KV cache vs recomputation")
-    r.add("model", f"{model_name} ({model.num_parameters() / 1e6:.2f}M params, "
-                   f"{next(model.parameters()).dtype}, {device})")
+    r.add("model", _describe(model_name, model, device))
     r.add("prompt / new tokens", f"{prompt_tokens} / {new_tokens}")
     r.add("with KV cache", f"{c.cached_s:.2f} s  ({new_tokens / c.cached_s:.1f} tokens/s, "
                            f"last step {cached_steps[-1] * 1e3:.2f} ms)")

@@ -7,6 +7,15 @@ from torch import Tensor
 from .config import ModelConfig
 
 
+def cache_slots(input_pos: Tensor, n_new: int, max_seq_len: int) -> tuple[int, int]:
+    """(start, end) of the slots that `n_new` tokens at consecutive `input_pos` occupy; checked."""
+    start = int(input_pos[0])
+    end = start + n_new
+    if end > max_seq_len:
+        raise ValueError(f"position {end - 1} is past the cache's {max_seq_len} slots")
+    return start, end
+
+
 class KVCache:
     """A contiguous cache preallocated for `max_seq_len` positions of every layer.
 
@@ -32,10 +41,7 @@ class KVCache:
 
     def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # input_pos: [T] consecutive positions, k/v: [B, H_kv, T, D]
-        start, T = int(input_pos[0]), k.shape[2]
-        end = start + T
-        if end > self.max_seq_len:
-            raise ValueError(f"position {end - 1} is past the cache's {self.max_seq_len} slots")
+        start, end = cache_slots(input_pos, k.shape[2], self.max_seq_len)
         self.k[layer, :, :, start:end] = k                          # (B, H_kv, T, D) written in place
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, H_kv, end, D)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig
+from .kv_cache import cache_slots
 
 SCALE_DTYPE = torch.float16   # scales in 16 bits: 2 bytes per head and position
 
@@ -45,10 +46,7 @@ class QuantizedKVCache:
 
     def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # input_pos: [T] consecutive positions, k/v: [B, H_kv, T, D]
-        start, T = int(input_pos[0]), k.shape[2]
-        end = start + T
-        if end > self.max_seq_len:
-            raise ValueError(f"position {end - 1} is past the cache's {self.max_seq_len} slots")
+        start, end = cache_slots(input_pos, k.shape[2], self.max_seq_len)
         self.k_q[layer, :, :, start:end], self.k_scale[layer, :, :, start:end] = quantize_heads(k)
         self.v_q[layer, :, :, start:end], self.v_scale[layer, :, :, start:end] = quantize_heads(v)
         return self._read(self.k_q, self.k_scale, layer, end), self._read(self.v_q, self.v_scale, layer, end)

@@ -11,7 +11,6 @@ import ast
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
 
 from .generate import decode_one_token, prefill
 from .kv_cache import KVCache
