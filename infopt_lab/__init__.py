@@ -4,6 +4,7 @@ from . import costs, data, kv_cache, metrics, quantize, sampling
 from .config import PRESETS, ModelConfig, get_preset
 from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, forward_cost, generation_cost,
                     kv_cache_bytes, measure_matmul_flops, measure_roofline, param_count, prefill_cost)
+from .engine import Engine, EngineStats, RequestOutput
 from .device import HAS_CUDA, HAS_TRITON, default_dtype, get_device, synchronize
 from .generate import GenerationOutput, decode_one_token, generate, prefill, stream
 from .kv_cache import KVCache

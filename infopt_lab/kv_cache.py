@@ -50,3 +50,54 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by the cache tensors."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+class PagedKVCache:
+    """A pool of fixed-size KV blocks shared by all sequences (vLLM's layout).
+
+    Shape contract: k, v are [L, N_blocks, block_size, H_kv, D]. A sequence owns a
+    list of block ids (its block table); the token at position p lives in block
+    table[p // block_size], row p % block_size. Nothing is reserved per sequence
+    up front, so memory follows the tokens actually written.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the padding sink), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
+        shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, N_blocks, block_size, H_kv, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int = 16) -> "PagedKVCache":
+        """A block pool matching a model's config, dtype and device."""
+        p = next(model.parameters())
+        return cls(model.config, num_blocks, block_size, dtype=p.dtype, device=p.device)
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        # slots: [T] flat slot ids (block * block_size + row); k, v: [T, H_kv, D]
+        self.k[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, k)
+        self.v[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, block_tables: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of each sequence, [B, H_kv, n_blocks * block_size, D], from tables [B, n_blocks]."""
+        B, n = block_tables.shape
+        k = self.k[layer][block_tables]                    # (B, n_blocks, block_size, H_kv, D)
+        v = self.v[layer][block_tables]
+        k = k.view(B, n * self.block_size, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, S, D)
+        v = v.view(B, n * self.block_size, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return k, v
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the pool tensors."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.num_blocks

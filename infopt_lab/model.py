@@ -67,6 +67,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if getattr(cache, "paged", False):     # the engine's paged cache writes and attends itself
+            y = cache.attend(self.layer, q, k, v)                                       # (B, H, T, D)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
         if cache is not None:
             k, v = cache.update(self.layer, input_pos, k, v)                            # (B, H_kv, S, D)
         S = k.shape[2]
@@ -135,20 +138,24 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, input_ids: Tensor, input_pos: Tensor | None = None,
-                cache: KVCache | None = None) -> Tensor:
+                cache: KVCache | None = None, output_rows: Tensor | None = None) -> Tensor:
         # input_ids: [B, T]; input_pos: [T] absolute positions (default 0..T-1)
+        # output_rows: [R] positions of this call whose logits are wanted (default all T)
         B, T = input_ids.shape
         if input_pos is None:
             input_pos = torch.arange(T, device=input_ids.device)
-        if int(input_pos[-1]) >= self.config.max_seq_len:
-            raise ValueError(f"position {int(input_pos[-1])} is past the model's context of "
+        last = int(input_pos.max())
+        if last >= self.config.max_seq_len:
+            raise ValueError(f"position {last} is past the model's context of "
                              f"{self.config.max_seq_len} tokens")
         cos = self.rope_cos[input_pos].to(self.embed_tokens.weight.dtype)   # (T, D)
         sin = self.rope_sin[input_pos].to(self.embed_tokens.weight.dtype)
         x = self.embed_tokens(input_ids)                                     # (B, T, C)
         for block in self.layers:
             x = block(x, cos, sin, input_pos, cache)
-        return self.lm_head(self.norm(x))                                    # (B, T, V)
+        if output_rows is not None:
+            x = x[:, output_rows]                                            # (B, R, C)
+        return self.lm_head(self.norm(x))                                    # (B, T or R, V)
 
     # -- Hugging Face Llama format ---------------------------------------------------
     def hf_state_dict(self) -> dict[str, Tensor]:

@@ -1,0 +1,188 @@
+"""Batching policies on paper: the seed's utilization function, a step simulator, and workloads.
+
+The simulator counts steps, not seconds: in every step each running request
+produces one token. It shows what the scheduling policy alone costs; the
+engine (`infopt_lab.engine`) then runs the same policies on the real model.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def _check_lengths(request_lengths: Sequence[int], batch_size: int) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if len(request_lengths) == 0:
+        raise ValueError("request_lengths is empty: give at least one request")
+    bad = [n for n in request_lengths if not isinstance(n, int) or n < 1]
+    if bad:
+        raise ValueError(f"request lengths must be integers >= 1, got {bad[:5]}")
+
+
+def static_batch_utilization(request_lengths: Sequence[int], batch_size: int) -> float:
+    """Useful share of the slot-steps static batching holds: sum(lengths) / sum(longest * batch members)."""
+    _check_lengths(request_lengths, batch_size)
+    held = useful = 0
+    for i in range(0, len(request_lengths), batch_size):
+        batch = request_lengths[i:i + batch_size]
+        held += max(batch) * len(batch)          # every member holds its slot until the longest ends
+        useful += sum(batch)
+    return useful / held
+
+
+def continuous_schedule_step(running: list[dict], waiting: list[dict], max_slots: int,
+                             token_budget: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """One continuous-batching step: retire, then admit first-come-first-served within slots and budget.
+
+    A request is a dict with "id", "prompt_len" and "remaining" (tokens still to produce).
+    Requests with remaining == 0 leave `running`; each one still running costs 1 token of
+    the budget (its decode); then requests move from the front of `waiting` while a slot
+    is free and their prompt fits what is left of the budget, stopping at the first that
+    does not (no overtaking). Returns new lists (running, waiting, retired).
+    """
+    retired = [r for r in running if r["remaining"] == 0]
+    running = [r for r in running if r["remaining"] > 0]
+    waiting = list(waiting)
+    budget = token_budget - len(running)
+    while waiting and len(running) < max_slots and waiting[0]["prompt_len"] <= budget:
+        request = waiting.pop(0)
+        budget -= request["prompt_len"]
+        running.append(request)
+    return running, waiting, retired
+
+
+@dataclass
+class SimResult:
+    policy: str
+    steps: int
+    utilization: float                 # produced tokens / slot-steps held (the seed's measure)
+    occupancy: float                   # produced tokens / (steps * batch_size)
+    ttft_steps: list[int]              # arrival -> first token, per request
+    latency_steps: list[int]           # arrival -> last token, per request
+    timeline: list[list[tuple[int, int, str]]] = field(repr=False, default_factory=list)  # (slot, id, kind) per step
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(1 for step in self.timeline for *_, kind in step if kind != "padding") / max(self.steps, 1)
+
+
+def simulate(request_lengths: Sequence[int], batch_size: int, policy: str = "continuous",
+             arrivals: Sequence[int] | None = None, prompt_lens: Sequence[int] | None = None,
+             token_budget: int | None = None) -> SimResult:
+    """Step-by-step schedule of requests producing request_lengths tokens; arrivals in steps (default all 0)."""
+    _check_lengths(request_lengths, batch_size)
+    if policy not in ("static", "continuous"):
+        raise ValueError(f"policy must be 'static' or 'continuous', got {policy!r}")
+    n = len(request_lengths)
+    arrivals = list(arrivals) if arrivals is not None else [0] * n
+    prompt_lens = list(prompt_lens) if prompt_lens is not None else [1] * n
+    budget = token_budget if token_budget is not None else batch_size + max(prompt_lens)
+    queue = sorted(({"id": i, "prompt_len": prompt_lens[i], "remaining": request_lengths[i]} for i in range(n)),
+                   key=lambda r: arrivals[r["id"]])
+    first, last, timeline, slots = {}, {}, [], {}
+    running: list[dict] = []
+    step = 0
+    while len(last) < n:
+        arrived = [r for r in queue if arrivals[r["id"]] <= step]
+        if policy == "continuous":
+            running, rest, retired = continuous_schedule_step(running, arrived, batch_size, budget)
+            for r in retired:
+                slots.pop(r["id"])
+            for r in running:
+                if r["id"] not in slots:             # the lowest free slot
+                    slots[r["id"]] = min(set(range(batch_size)) - set(slots.values()))
+            members, padding = running, []
+        else:
+            if all(r["remaining"] == 0 for r in running):
+                running = arrived[:batch_size]
+                slots = {r["id"]: i for i, r in enumerate(running)}
+            rest = [r for r in arrived if r not in running]
+            members = [r for r in running if r["remaining"] > 0]
+            padding = [r for r in running if r["remaining"] == 0]
+        queue = rest + [r for r in queue if arrivals[r["id"]] > step]
+        rows = []
+        for r in members:
+            kind = "prefill" if r["id"] not in first else "decode"
+            first.setdefault(r["id"], step)
+            r["remaining"] -= 1
+            if r["remaining"] == 0:
+                last[r["id"]] = step
+            rows.append((slots[r["id"]], r["id"], kind))
+        rows += [(slots[r["id"]], r["id"], "padding") for r in padding]
+        timeline.append(rows)
+        step += 1
+    produced = sum(request_lengths)
+    held = produced + sum(1 for rows in timeline for *_, kind in rows if kind == "padding")
+    return SimResult(policy, step, produced / held, produced / (step * batch_size),
+                     [first[i] - arrivals[i] + 1 for i in range(n)], [last[i] - arrivals[i] + 1 for i in range(n)],
+                     timeline)
+
+
+# -- workloads --------------------------------------------------------------------------------
+
+def skewed_lengths(n: int, short: tuple[int, int] = (8, 32), long: tuple[int, int] = (160, 256),
+                   long_share: float = 0.125, seed: int = 0) -> list[int]:
+    """Output lengths where most requests are short and a few are long, in a shuffled order."""
+    rng = random.Random(seed)
+    n_long = max(1, round(n * long_share)) if n > 1 else 0
+    lengths = [rng.randint(*long) for _ in range(n_long)] + [rng.randint(*short) for _ in range(n - n_long)]
+    rng.shuffle(lengths)
+    return lengths
+
+
+def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
+    """Arrival times (seconds) of n requests arriving at random at `rate_per_s` on average."""
+    if rate_per_s <= 0:
+        raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+    rng = random.Random(seed)
+    t, times = 0.0, []
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate_per_s)
+    return times
+
+
+def code_prompts(tok, n: int, min_tokens: int = 48, max_tokens: int = 96, seed: int = 0) -> list[str]:
+    """n prompts cut from validation files of the corpus at line ends, each min..max tokens long."""
+    from .data import read_texts
+    rng = random.Random(seed)
+    texts = [t for t in read_texts("val") if len(t) > 4000]
+    prompts = []
+    while len(prompts) < n:
+        text = rng.choice(texts)
+        lines = text[rng.randrange(len(text) // 2):].split("\n")[1:]
+        prompt = ""
+        for line in lines:
+            candidate = f"{prompt}\n{line}" if prompt else line
+            if len(tok.encode(candidate)) > max_tokens:
+                break
+            prompt = candidate
+        if len(tok.encode(prompt)) >= min_tokens and prompt.strip():
+            prompts.append(prompt)
+    return prompts
+
+
+def transformers_batched_generate(hf_model, prompt_ids: Sequence[list[int]], max_new_tokens: Sequence[int],
+                                  batch_size: int, pad_id: int) -> tuple[list[list[int]], float]:
+    """The baseline a student would write: transformers' padded batched greedy `generate`, batch by batch.
+
+    Prompts are left-padded; each batch runs to its longest request and the extra tokens of
+    shorter ones are cut off. Returns each request's tokens and the wall time in seconds.
+    """
+    import time
+
+    import torch
+    device = next(hf_model.parameters()).device
+    outputs, start = [], time.perf_counter()
+    for i in range(0, len(prompt_ids), batch_size):
+        prompts, news = prompt_ids[i:i + batch_size], max_new_tokens[i:i + batch_size]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        with torch.no_grad():
+            out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max(news), min_new_tokens=max(news),
+                                    do_sample=False, pad_token_id=pad_id)
+        outputs += [row[width:width + m].tolist() for row, m in zip(out, news)]
+    return outputs, time.perf_counter() - start

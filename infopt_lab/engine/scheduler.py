@@ -1,0 +1,153 @@
+"""Which sequences run in the next step, and with how many tokens.
+
+Both policies feed running sequences first (one token each while decoding, a
+chunk while prefilling), then admit waiting ones within a slot limit
+(max_batch_size) and a token budget per step (max_num_batched_tokens); a long
+prompt is prefilled in chunks across steps. When the block pool runs out, the
+newest running sequence is preempted: its blocks are freed and it is queued
+again, to be recomputed later.
+
+- continuous: admits and retires at every step, so a finished request's slot
+  is refilled at once.
+- static: forms a fixed batch and admits nothing until all of it has finished;
+  a finished member keeps its row as padding, computed and thrown away, like a
+  padded batched `generate`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass
+class Chunk:
+    seq: Sequence
+    num_tokens: int          # tokens fed this step: a prefill chunk, or 1 while decoding
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last token, so a new token is sampled."""
+        return self.seq.num_computed + self.num_tokens == self.seq.length
+
+
+@dataclass
+class Batch:
+    chunks: list[Chunk] = field(default_factory=list)
+    padding: list[Sequence] = field(default_factory=list)   # finished rows a static batch still carries
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, policy: str, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduler must be one of {POLICIES}, got {policy!r}")
+        self.policy, self.blocks = policy, blocks
+        self.max_batch_size, self.max_num_batched_tokens = max_batch_size, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()    # first come, first served
+        self.running: list[Sequence] = []          # in admission order: the newest is preempted first
+        self.members: list[Sequence] = []          # static: the current fixed batch
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or any(not s.done for s in self.members))
+
+    def next_arrival(self) -> float | None:
+        """When the next queued request arrives (None when nothing is queued)."""
+        return min((s.arrival_s for s in self.waiting), default=None)
+
+    def schedule(self, now: float) -> Batch:
+        """The chunks to compute in the next step."""
+        if self.policy == "static" and all(s.done for s in self.members):
+            self._form_batch(now)
+        batch, budget = Batch(), self.max_num_batched_tokens
+        for seq in list(self.running):                       # oldest first
+            if seq.status is not Status.RUNNING:             # preempted for an older one just now
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if n == 0:
+                break
+            if self._make_room(seq, n, batch):
+                self.blocks.append(seq.seq_id, n)
+                batch.chunks.append(Chunk(seq, n))
+                budget -= n
+        for seq in self._candidates(now):
+            n = min(seq.num_uncomputed, budget)
+            if n == 0 or len(self.running) >= self.max_batch_size or not self.blocks.can_append(seq.seq_id, n):
+                break
+            self._admit(seq)
+            self.blocks.allocate(seq.seq_id, n)
+            batch.chunks.append(Chunk(seq, n))
+            budget -= n
+        if self.policy == "static":
+            batch.padding = [s for s in self.members if s.status is Status.FINISHED]
+        return batch
+
+    def retire(self, seq: Sequence) -> None:
+        """A sequence finished: free its blocks, and its slot too under continuous batching."""
+        seq.status = Status.FINISHED
+        self.blocks.free(seq.seq_id)
+        self.running.remove(seq)
+        if self.policy == "continuous":
+            seq.slot = None
+
+    # -- internals ----------------------------------------------------------------------
+    def _candidates(self, now: float) -> list[Sequence]:
+        """Sequences that may be admitted now, in order."""
+        if self.policy == "static":
+            return [s for s in self.members if s.status is Status.WAITING]
+        ready = []
+        for seq in self.waiting:
+            if seq.arrival_s > now:
+                break
+            ready.append(seq)
+        return ready
+
+    def _form_batch(self, now: float) -> None:
+        self.members = []
+        while self.waiting and self.waiting[0].arrival_s <= now and len(self.members) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            seq.slot = len(self.members)
+            self.members.append(seq)
+
+    def _admit(self, seq: Sequence) -> None:
+        if self.policy == "continuous":
+            self.waiting.remove(seq)
+            taken = {s.slot for s in self.running}
+            seq.slot = next(i for i in range(self.max_batch_size) if i not in taken)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def _make_room(self, seq: Sequence, n: int, batch: Batch) -> bool:
+        """Preempt the newest running sequences until `seq` can take n more tokens; False if it was one."""
+        scheduled = {c.seq for c in batch.chunks}
+        while not self.blocks.can_append(seq.seq_id, n):
+            victim = next(s for s in reversed(self.running) if s not in scheduled)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and queue it again; its cache is recomputed on return."""
+        self.blocks.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.recomputed_tokens += seq.num_computed
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        if self.policy == "continuous":
+            seq.slot = None
+            self.waiting.appendleft(seq)
