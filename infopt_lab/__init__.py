@@ -1,6 +1,7 @@
 """infopt-lab: LLM inference optimization, measured. `import infopt_lab as lab`."""
 from . import kernels  # first: without CUDA it sets TRITON_INTERPRET=1 before anything imports triton
-from . import costs, data, kv_cache, metrics, quantize, sampling
+from . import batching, costs, data, kv_cache, metrics, quantize, sampling
+from .batching import static_batch_utilization
 from .config import PRESETS, ModelConfig, get_preset
 from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, forward_cost, generation_cost,
                     kv_cache_bytes, measure_matmul_flops, measure_roofline, param_count, prefill_cost)

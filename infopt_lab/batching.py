@@ -186,3 +186,33 @@ def transformers_batched_generate(hf_model, prompt_ids: Sequence[list[int]], max
                                     do_sample=False, pad_token_id=pad_id)
         outputs += [row[width:width + m].tolist() for row, m in zip(out, news)]
     return outputs, time.perf_counter() - start
+
+
+@dataclass
+class PolicyRun:
+    name: str
+    throughput_tok_s: float
+    wall_s: float
+    token_ids: list[list[int]]
+    stats: object = None                  # EngineStats for our engine, None for transformers
+    latency_s: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+
+
+def compare_policies(model, tok, prompts: Sequence[str], lengths: Sequence[int], max_batch_size: int = 8,
+                     hf_model=None, arrival_s: Sequence[float] | None = None) -> dict[str, PolicyRun]:
+    """Serve one workload with continuous and static batching (and transformers if given), in this run."""
+    from .engine import Engine
+    Engine(model, tok, max_batch_size=max_batch_size).generate(prompts[:2], max_new_tokens=4)   # warm-up
+    runs = {}
+    for policy in ("continuous", "static"):
+        engine = Engine(model, tok, scheduler=policy, max_batch_size=max_batch_size)
+        outs = engine.generate(prompts, max_new_tokens=list(lengths), arrival_s=arrival_s, stop_at_eos=False)
+        runs[policy] = PolicyRun(policy, engine.stats.throughput_tok_s, engine.stats.wall_s,
+                                 [o.token_ids for o in outs], engine.stats,
+                                 [o.latency_s for o in outs], [o.ttft_s for o in outs])
+    if hf_model is not None:
+        ids = [tok.encode(p) for p in prompts]
+        token_ids, wall = transformers_batched_generate(hf_model, ids, lengths, max_batch_size, pad_id=0)
+        runs["transformers"] = PolicyRun("transformers", sum(lengths) / wall, wall, token_ids)
+    return runs

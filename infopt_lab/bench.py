@@ -220,10 +220,48 @@ def bench_quant(model_name: str = "target", max_tokens: int | None = None) -> Re
     return r
 
 
+def bench_batching(model_name: str = "target", n_requests: int = 64, max_batch_size: int = 8,
+                   seed: int = 0) -> Result:
+    """Static vs continuous batching on our paged engine vs transformers' padded batched generate."""
+    from transformers import AutoModelForCausalLM
+    from .batching import code_prompts, compare_policies, skewed_lengths
+    from .metrics import percentiles
+    device = get_device()
+    model, tok = load_model(model_name, device=device)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model_name),
+                                              dtype=next(model.parameters()).dtype).to(device).eval()
+    prompts, lengths = code_prompts(tok, n_requests, seed=seed), skewed_lengths(n_requests, seed=seed)
+    runs = compare_policies(model, tok, prompts, lengths, max_batch_size, hf_model=hf)
+    cont, static, hf_run = runs["continuous"], runs["static"], runs["transformers"]
+    r = Result("batching: static vs continuous on the paged engine, and transformers")
+    r.add("model", _describe(model_name, model, device))
+    r.add("workload", f"{n_requests} requests, prompts {min(len(tok.encode(p)) for p in prompts)}-"
+                      f"{max(len(tok.encode(p)) for p in prompts)} tokens, outputs {min(lengths)}-{max(lengths)} "
+                      f"tokens (median {sorted(lengths)[len(lengths) // 2]}), max_batch_size {max_batch_size}")
+    for run in (cont, static):
+        s, lat = run.stats, percentiles(run.latency_s, (50, 99))
+        r.add(f"{run.name}", f"{run.throughput_tok_s:.1f} tok/s, utilization {s.utilization:.1%}, "
+                             f"{s.steps} steps, latency p50 {lat['p50']:.2f} s / p99 {lat['p99']:.2f} s")
+    r.add("transformers padded generate", f"{hf_run.throughput_tok_s:.1f} tok/s")
+    r.add("continuous / static", f"{cont.throughput_tok_s / static.throughput_tok_s:.2f}x")
+    r.add("continuous / transformers", f"{cont.throughput_tok_s / hf_run.throughput_tok_s:.2f}x")
+    r.add("KV slots holding real tokens", f"paged {cont.stats.kv_real_share:.1%} vs contiguous at full "
+                                          f"context {cont.stats.kv_real_share_contiguous:.1%}")
+    same = cont.token_ids == static.token_ids
+    r.add("same greedy tokens", f"continuous = static: {same}; = transformers: "
+                                f"{sum(a == b for a, b in zip(cont.token_ids, hf_run.token_ids))}/{n_requests}")
+    r.values = {"continuous_over_static": cont.throughput_tok_s / static.throughput_tok_s,
+                "continuous_over_transformers": cont.throughput_tok_s / hf_run.throughput_tok_s,
+                "continuous_utilization": cont.stats.utilization, "static_utilization": static.stats.utilization,
+                "kv_real_share": cont.stats.kv_real_share, "same_tokens": same}
+    return r
+
+
 LADDER: dict[str, Callable[..., Result]] = {
     "decode": bench_decode,
     "kv": bench_kv,
     "quant": bench_quant,
+    "batching": bench_batching,
 }
 
 

@@ -166,3 +166,40 @@ def batch_scaling(batch_sizes: Sequence[int], step_s: Sequence[float], ax: Axes 
     ax.set_title(title)
     ax.legend(fontsize=8)
     return ax
+
+
+def gantt(timeline: Sequence[Sequence[tuple[int, int, str]]], n_slots: int, ax: Axes | None = None,
+          title: str = "", times: Sequence[float] | None = None) -> Axes:
+    """Batch slots over steps: a colour per request, hatched grey where a finished request pads its row.
+
+    `timeline` holds, per step, (slot, request id, "prefill" | "decode" | "padding") rows: a
+    simulator's `timeline` or `[r.rows for r in engine.stats.timeline]`. With `times` (one start
+    per step, plus the end) the x axis is seconds instead of steps.
+    """
+    ax = _axes(ax, (9, 0.35 * n_slots + 1.3))
+    edges = list(times) if times is not None else list(range(len(timeline) + 1))
+    colours = plt.get_cmap("tab20").colors
+    runs: dict[tuple[int, int, str], list[list[float]]] = {}
+    for step, rows in enumerate(timeline):
+        for slot, rid, kind in rows:
+            kind = "padding" if kind == "padding" else "work"
+            spans = runs.setdefault((slot, rid, kind), [])
+            if spans and spans[-1][1] == edges[step]:
+                spans[-1][1] = edges[step + 1]
+            else:
+                spans.append([edges[step], edges[step + 1]])
+    for (slot, rid, kind), spans in runs.items():
+        bars = [(a, b - a) for a, b in spans]
+        if kind == "padding":
+            ax.broken_barh(bars, (slot - 0.4, 0.8), facecolor="0.85", hatch="///", edgecolor="0.6", lw=0)
+        else:
+            ax.broken_barh(bars, (slot - 0.4, 0.8), facecolor=colours[rid % len(colours)], edgecolor="white", lw=0.5)
+            for a, w in bars:
+                if w > 0.04 * (edges[-1] - edges[0]):
+                    ax.text(a + w / 2, slot, str(rid), ha="center", va="center", fontsize=7)
+    ax.set_ylim(n_slots - 0.5, -0.5)
+    ax.set_yticks(range(n_slots), [f"slot {i}" for i in range(n_slots)])
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_xlabel("seconds" if times is not None else "step")
+    ax.set_title(title)
+    return ax

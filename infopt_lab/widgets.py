@@ -122,3 +122,36 @@ def kv_cache_calculator(precisions: Mapping[str, float], n_layers: int = 32, n_h
     left = W.VBox([c[k] for k in ("layers", "heads", "kv_heads", "head_dim")])
     right = W.VBox([c[k] for k in ("context", "batch", "precision", "budget")])
     return W.VBox([W.HBox([left, right]), out])
+
+
+def batching_explorer(request_lengths: list[int], batch_size: int = 4) -> W.VBox:
+    """Request lengths (text) x batch size (slider) -> static and continuous utilization, with Gantt charts."""
+    from .batching import simulate, static_batch_utilization
+    from .plots import gantt
+    text = W.Text(value=", ".join(map(str, request_lengths)), description="lengths",
+                  continuous_update=False, layout=W.Layout(width="420px"))
+    slider = W.IntSlider(value=batch_size, min=1, max=16, description="batch size", continuous_update=False)
+    out = W.Output()
+
+    def redraw(_=None) -> None:
+        with out:
+            out.clear_output(wait=True)
+            try:
+                lengths = [int(x) for x in text.value.replace(",", " ").split()]
+                static_batch_utilization(lengths, slider.value)
+            except ValueError as e:
+                print(f"cannot use these lengths: {e}. Give positive integers separated by commas.")
+                return
+            fig, axes = plt.subplots(2, 1, figsize=(9, 0.7 * slider.value + 3), sharex=True)
+            for ax, policy in zip(axes, ("static", "continuous")):
+                r = simulate(lengths, slider.value, policy)
+                print(f"{policy:>10}: utilization {r.utilization:.1%}, {r.steps} steps, "
+                      f"mean latency {sum(r.latency_steps) / len(lengths):.1f} steps")
+                gantt(r.timeline, slider.value, ax=ax, title=f"{policy}: {r.utilization:.1%} of held slots useful")
+            plt.tight_layout()
+            plt.show()
+
+    text.observe(redraw, "value")
+    slider.observe(redraw, "value")
+    redraw()
+    return W.VBox([W.HBox([text, slider]), out])

@@ -74,7 +74,9 @@ def encode_value(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple)):
         return [encode_value(v) for v in value]
-    raise TypeError(f"check arguments must be numbers, strings, lists or Tensor, got {type(value).__name__}")
+    if isinstance(value, dict) and "__tensor__" not in value:
+        return {str(k): encode_value(v) for k, v in value.items()}
+    raise TypeError(f"check arguments must be numbers, strings, lists, dicts or Tensor, got {type(value).__name__}")
 
 
 def describe_call(name: str, args: tuple) -> str:
@@ -97,6 +99,8 @@ def {helper}(name, calls_json):
             return torch.tensor(x["__tensor__"], dtype=B.getattr(torch, x["dtype"]))
         if B.isinstance(x, B.list):
             return [decode(v) for v in x]
+        if B.isinstance(x, B.dict):
+            return {{k: decode(v) for k, v in x.items()}}
         return x
     def encode(x, depth=0):
         if depth > 20:
