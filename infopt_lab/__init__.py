@@ -8,6 +8,8 @@ from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, fo
 from .engine import Engine, EngineStats, RequestOutput
 from .device import HAS_CUDA, HAS_TRITON, default_dtype, get_device, synchronize
 from .generate import GenerationOutput, decode_one_token, generate, prefill, stream
+from .kernels.attention_ref import attention_reference, attention_tiled
+from .kernels.flash_attention import attention_path, flash_attention
 from .kv_cache import KVCache
 from .kv_quant import QuantizedKVCache
 from .loading import load_model

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..device import HAS_TRITON
 from ..kv_cache import PagedKVCache
 from .block_manager import BlockManager
 from .scheduler import Batch
@@ -25,12 +26,14 @@ class PagedAttention:
     paged = True
 
     def __init__(self, cache: PagedKVCache, slots: Tensor, decode_rows: Tensor | None,
-                 decode_tables: Tensor | None, decode_mask: Tensor | None,
-                 prefill: list[tuple[int, int, Tensor, Tensor | None]]):
+                 decode_tables: Tensor | None, decode_lens: Tensor | None, decode_mask: Tensor | None,
+                 prefill: list[tuple[int, int, Tensor, Tensor | None]], use_kernel: bool = False):
         self.cache = cache
+        self.use_kernel = use_kernel          # decode rows through the Triton paged kernel, not the gather
         self.slots = slots                    # [N] flat cache slot of every token of the step
         self.decode_rows = decode_rows        # [B_dec] rows of the packed step that are single tokens
         self.decode_tables = decode_tables    # [B_dec, n_blocks] block tables, padded with block 0
+        self.decode_lens = decode_lens        # [B_dec] cached tokens of each decode row, the new one included
         self.decode_mask = decode_mask        # [B_dec, 1, 1, S] True where a cached key is real
         self.prefill = prefill                # (first row, n tokens, block table [1, n_blocks], mask or None)
 
@@ -39,7 +42,13 @@ class PagedAttention:
         self.cache.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, H_kv, D)
         gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)                                                          # (1, H, N, D)
-        if self.decode_rows is not None:
+        if self.decode_rows is not None and self.use_kernel:
+            from ..kernels.paged_attention import paged_decode_attention
+            qd = q[0, :, self.decode_rows].transpose(0, 1).contiguous()                    # (B_dec, H, D)
+            y = paged_decode_attention(qd, self.cache.k[layer], self.cache.v[layer], self.decode_tables,
+                                       self.decode_lens)                                   # (B_dec, H, D)
+            out[0, :, self.decode_rows] = y.transpose(0, 1)
+        elif self.decode_rows is not None:
             kc, vc = self.cache.gather(layer, self.decode_tables)                          # (B_dec, H_kv, S, D)
             qd = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)                    # (B_dec, H, 1, D)
             y = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=self.decode_mask, enable_gqa=gqa)
@@ -54,9 +63,11 @@ class PagedAttention:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, blocks: BlockManager):
+    def __init__(self, model, cache: PagedKVCache, blocks: BlockManager, paged_kernel: bool | None = None):
         self.model, self.cache, self.blocks = model, cache, blocks
         self.device = next(model.parameters()).device
+        # the Triton paged decode kernel on CUDA (compiled); the gather path elsewhere unless asked
+        self.paged_kernel = HAS_TRITON and self.device.type == "cuda" if paged_kernel is None else paged_kernel
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> Tensor:
@@ -80,7 +91,7 @@ class ModelRunner:
             dec_rows.append(len(ids)), dec_tables.append([0]), dec_lens.append(1)
             ids.append(0), pos.append(0), slots.append(PAD_SLOT)
         ctx = PagedAttention(self.cache, self._tensor(slots), *self._decode_meta(dec_rows, dec_tables, dec_lens),
-                             prefill)
+                             prefill, use_kernel=self.paged_kernel)
         logits = self.model(self._tensor([ids]), self._tensor(pos), ctx, output_rows=self._tensor(out_rows))
         return logits[0]                                                                   # (R, V)
 
@@ -96,9 +107,10 @@ class ModelRunner:
 
     def _decode_meta(self, rows: list[int], tables: list[list[int]], lens: list[int]):
         if not rows:
-            return None, None, None
+            return None, None, None, None
         width = max(len(t) for t in tables)
         padded = self._tensor([t + [0] * (width - len(t)) for t in tables])                 # (B_dec, n_blocks)
         keys = torch.arange(width * self.blocks.block_size, device=self.device)
-        mask = keys[None, :] < self._tensor(lens)[:, None]                                  # (B_dec, S)
-        return self._tensor(rows), padded, mask[:, None, None, :]
+        lens_t = self._tensor(lens)
+        mask = keys[None, :] < lens_t[:, None]                                              # (B_dec, S)
+        return self._tensor(rows), padded, lens_t, mask[:, None, None, :]

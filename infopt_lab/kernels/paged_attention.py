@@ -1,0 +1,104 @@
+"""Paged decode attention in Triton: one query per sequence over its KV blocks, read through a block table.
+
+The engine's cache (`PagedKVCache`, one layer: [N_blocks, block_size, H_kv, D]) scatters a
+sequence's keys over blocks listed in its block table. The gather path copies them into a
+contiguous [B, H_kv, S, D] tensor first, then attends. The kernel reads each block where it
+lies: program (b, h) walks the table of sequence b, one block per step, with the same
+online softmax as FlashAttention, and never materializes the gathered copy.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..device import HAS_TRITON
+from . import require_interpreter
+from .flash_attention import LOG2E
+
+
+def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                              seq_lens: Tensor) -> Tensor:
+    """Gather then attend: q [B, H, D]; caches [N_blocks, block_size, H_kv, D]; tables [B, max_blocks]."""
+    B, H, D = q.shape
+    _, block_size, H_kv, _ = k_cache.shape
+    n = block_tables.shape[1]
+    k = k_cache[block_tables].view(B, n * block_size, H_kv, D).transpose(1, 2)   # (B, H_kv, S, D): a copy
+    v = v_cache[block_tables].view(B, n * block_size, H_kv, D).transpose(1, 2)
+    keep = torch.arange(n * block_size, device=q.device)[None, :] < seq_lens[:, None]   # (B, S)
+    out = F.scaled_dot_product_attention(q[:, :, None].float(), k.float(), v.float(),
+                                         attn_mask=keep[:, None, None, :], enable_gqa=H != H_kv)
+    return out[:, :, 0].to(q.dtype)                                                    # (B, H, D)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _paged_decode_kernel(
+        Q, K_CACHE, V_CACHE, O,                 # q, o [B, H, D]; caches [N_BLOCKS, BLOCK_SIZE, H_KV, D]
+        BLOCK_TABLES, SEQ_LENS,                 # [B, MAX_BLOCKS] block ids; [B] tokens in each sequence
+        stride_qb, stride_qh,                   # q strides (elements)
+        stride_cb, stride_cs, stride_ch,        # cache strides over block, row in block, KV head
+        stride_tb,                              # block-table stride over sequences
+        stride_ob, stride_oh,                   # o strides
+        qk_scale,                               # 1 / sqrt(D) * log2(e)
+        GROUP: tl.constexpr,                    # query heads per KV head
+        D: tl.constexpr,                        # head dim (power of two)
+        BLOCK_SIZE: tl.constexpr,               # tokens per cache block (power of two)
+    ):
+        b, h = tl.program_id(0), tl.program_id(1)
+        kv_h = h // GROUP
+        offs_d = tl.arange(0, D)
+        offs_s = tl.arange(0, BLOCK_SIZE)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d).to(tl.float32)   # (D,)
+        seq_len = tl.load(SEQ_LENS + b)
+        m_i = tl.full((1,), float("-inf"), dtype=tl.float32)   # running max, sum and weighted sum,
+        l_i = tl.zeros((1,), dtype=tl.float32)                  # as in FlashAttention
+        acc = tl.zeros((D,), dtype=tl.float32)
+        for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+            block = tl.load(BLOCK_TABLES + b * stride_tb + j)                     # where this block lies
+            rows = block * stride_cb + offs_s[:, None] * stride_cs + kv_h * stride_ch + offs_d[None, :]
+            k = tl.load(K_CACHE + rows).to(tl.float32)                            # (BLOCK_SIZE, D)
+            v = tl.load(V_CACHE + rows).to(tl.float32)
+            s = tl.sum(k * q[None, :], 1) * qk_scale                              # (BLOCK_SIZE,)
+            s = tl.where(j * BLOCK_SIZE + offs_s < seq_len, s, float("-inf"))     # the last block's tail
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            p = tl.exp2(s - m_new)
+            correction = tl.exp2(m_i - m_new)
+            l_i = l_i * correction + tl.sum(p, 0)
+            acc = acc * correction + tl.sum(p[:, None] * v, 0)
+            m_i = m_new
+        tl.store(O + b * stride_ob + h * stride_oh + offs_d, (acc / l_i).to(O.dtype.element_ty))
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                           seq_lens: Tensor) -> Tensor:
+    """The Triton kernel: same arguments and result as paged_attention_reference."""
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed here; use paged_attention_reference")
+    if q.device.type != "cuda":
+        require_interpreter()
+    B, H, D = q.shape
+    n_blocks, block_size, H_kv, Dc = k_cache.shape
+    if k_cache.shape != v_cache.shape or Dc != D or H % H_kv:
+        raise ValueError(f"caches must both be [N_blocks, block_size, H_kv, {D}] with H_kv dividing {H}, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if D & (D - 1) or block_size & (block_size - 1):
+        raise ValueError(f"head dim and block size must be powers of two, got {D} and {block_size}")
+    if block_tables.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(f"block_tables must be [{B}, max_blocks] and seq_lens [{B}], got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("q and the caches must be contiguous in the head dim, and the caches share strides")
+    block_tables, seq_lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
+    o = torch.empty_like(q)
+    _paged_decode_kernel[(B, H)](
+        q, k_cache, v_cache, o, block_tables, seq_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), o.stride(0), o.stride(1), LOG2E / math.sqrt(D),
+        GROUP=H // H_kv, D=D, BLOCK_SIZE=block_size)
+    return o
