@@ -257,11 +257,57 @@ def bench_batching(model_name: str = "target", n_requests: int = 64, max_batch_s
     return r
 
 
+ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def bench_attention(model_name: str = "target", lengths: tuple[int, ...] = ATTENTION_LENGTHS) -> Result:
+    """On CUDA: TFLOP/s of our Triton FlashAttention, SDPA and naive attention, bf16, causal, D=128.
+
+    On a CPU: one line saying that speed needs a GPU, and the interpreter's agreement with the reference.
+    (`model_name` is accepted for a uniform command line; attention is benchmarked on synthetic shapes.)
+    """
+    from .device import HAS_CUDA, HAS_TRITON
+    from .kernels.benchmark import device_peak_tflops, gpu_contenders, interpreter_check, time_attention
+    from .kernels.flash_attention import attention_path
+    r = Result("attention: Triton FlashAttention vs PyTorch SDPA vs naive")
+    r.add("path", attention_path(get_device()))
+    if not HAS_TRITON:
+        r.add("result", "Triton is not installed here: nothing to measure (the reference runs instead)")
+        return r
+    for label, err in interpreter_check():
+        r.add(f"max |ours - reference|, {label}", f"{err:.2e}")
+    if not HAS_CUDA:
+        r.add("speed", "needs a CUDA GPU: the Triton interpreter runs kernels in Python, so on a CPU only "
+                       "correctness is measured")
+        return r
+    peak = device_peak_tflops()
+    r.add("device", f"{torch.cuda.get_device_name()} (16-bit peak {peak or 'unknown'} TFLOP/s)")
+    r.add("shape", "B=4, H=16, D=128, bf16, causal; TFLOP/s (share of peak)")
+    ratios = {}
+    for N in lengths:
+        timings = {t.impl: t for t in time_attention(gpu_contenders(), N)}
+        cells = []
+        for t in timings.values():
+            if t.tflops is None:
+                cells.append(f"{t.impl} OOM")
+            else:
+                share = f" ({t.tflops / peak:.0%})" if peak else ""
+                cells.append(f"{t.impl} {t.tflops:.0f}{share}")
+        r.add(f"N={N}", ", ".join(cells))
+        ours, sdpa = timings["ours (Triton)"].tflops, timings["PyTorch SDPA"].tflops
+        if ours and sdpa:
+            ratios[N] = ours / sdpa
+    r.add("ours / SDPA", ", ".join(f"N={n}: {x:.2f}x" for n, x in ratios.items()))
+    r.values = {"ours_over_sdpa": ratios}
+    return r
+
+
 LADDER: dict[str, Callable[..., Result]] = {
     "decode": bench_decode,
     "kv": bench_kv,
     "quant": bench_quant,
     "batching": bench_batching,
+    "attention": bench_attention,
 }
 
 

@@ -203,3 +203,29 @@ def gantt(timeline: Sequence[Sequence[tuple[int, int, str]]], n_slots: int, ax: 
     ax.set_xlabel("seconds" if times is not None else "step")
     ax.set_title(title)
     return ax
+
+
+def block_table(tables: Mapping[str, Sequence[int]], seq_lens: Mapping[str, int], num_blocks: int,
+                block_size: int, ax: Axes | None = None, title: str = "") -> Axes:
+    """The paged KV pool as a row of physical blocks, coloured by the sequence owning each, filled to its tokens.
+
+    Each sequence's block table is written beside its name: logical block i -> physical block id.
+    """
+    ax = _axes(ax, (10, 0.5 * len(tables) + 2.2))
+    colours = plt.get_cmap("tab10").colors
+    for b in range(num_blocks):
+        ax.add_patch(plt.Rectangle((b, 0), 0.92, 1, facecolor="white", edgecolor="0.6"))
+        ax.text(b + 0.46, -0.25, str(b), ha="center", va="center", fontsize=7, color="0.4")
+    for row, (name, table) in enumerate(tables.items()):
+        colour = colours[row % len(colours)]
+        for i, block in enumerate(table):
+            used = min(block_size, seq_lens[name] - i * block_size) / block_size
+            ax.add_patch(plt.Rectangle((block, 0), 0.92 * used, 1, facecolor=colour, alpha=0.85))
+            ax.text(block + 0.46, 0.5, f"{name}\n#{i}", ha="center", va="center", fontsize=7)
+        ax.text(0, -0.75 - 0.45 * row, f"{name} ({seq_lens[name]} tokens): table {list(table)}",
+                color=colour, fontsize=9, family="monospace", va="center")
+    ax.set_xlim(-0.2, num_blocks + 0.2)
+    ax.set_ylim(-0.95 - 0.45 * len(tables), 1.2)
+    ax.axis("off")
+    ax.set_title(title)
+    return ax

@@ -155,3 +155,41 @@ def batching_explorer(request_lengths: list[int], batch_size: int = 4) -> W.VBox
     slider.observe(redraw, "value")
     redraw()
     return W.VBox([W.HBox([text, slider]), out])
+
+
+def attention_memory_line(N: int, D: int, block: int, bytes_per_element: int = 2) -> str:
+    """Bytes of the score matrices naive attention holds vs the tiles a FlashAttention program holds."""
+    naive = 2 * N * N * bytes_per_element                 # scores and probabilities, N x N each
+    tiled = (block * block + 2 * block * D + 2 * block) * 4  # one score tile, acc and Q tile, m and l (fp32)
+    return (f"N={N}, D={D}, block={block}: naive holds {naive / 2**20:,.2f} MiB of scores per head; "
+            f"one tiled program holds {tiled / 2**10:,.1f} KiB ({naive / tiled:,.0f}x less)")
+
+
+def attention_memory_explorer(N: int = 4096, D: int = 128, block: int = 64) -> W.VBox:
+    """Sequence length, head dim and block size -> the memory of naive vs tiled attention, printed and plotted."""
+    n_slider = W.IntSlider(value=N, min=128, max=65536, step=128, description="N", continuous_update=False,
+                           layout=W.Layout(width="420px"))
+    d_drop = W.Dropdown(options=[16, 32, 64, 128], value=D, description="head dim")
+    b_drop = W.Dropdown(options=[16, 32, 64, 128], value=block, description="block")
+    out = W.Output()
+
+    def redraw(_=None) -> None:
+        with out:
+            out.clear_output(wait=True)
+            print(attention_memory_line(n_slider.value, d_drop.value, b_drop.value))
+            ns = [n for n in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536) if n <= max(n_slider.value, 1024)]
+            naive = [2 * n * n * 2 / 2**20 for n in ns]
+            tiled = [n * d_drop.value * 2 * 2 / 2**20 for n in ns]    # Q-sized output and input rows only
+            ax = plt.subplots(figsize=(6, 3.2))[1]
+            ax.loglog(ns, naive, "o-", label="naive: N x N scores (fp16)")
+            ax.loglog(ns, tiled, "s-", label="tiled: O(N x D) rows (fp16)")
+            ax.axvline(n_slider.value, color="0.6", ls=":")
+            ax.set_xlabel("sequence length N")
+            ax.set_ylabel("MiB per head")
+            ax.legend(fontsize=8)
+            plt.show()
+
+    for w in (n_slider, d_drop, b_drop):
+        w.observe(redraw, "value")
+    redraw()
+    return W.VBox([W.HBox([n_slider, d_drop, b_drop]), out])

@@ -137,7 +137,7 @@ class Submission:
 def call_error(name: str, args: tuple, result: dict) -> CallError:
     """The CallError for a call that raised inside the submission."""
     error, message = str(result.get("error")), str(result.get("message", ""))[:150]
-    if error == "NotImplementedError":
+    if error == "NotImplementedError" or (error == "InterpreterError" and message.startswith("NotImplementedError")):
         return NotImplementedYet(f"not implemented: {name} still raises NotImplementedError")
     return Raised(f"{describe_call(name, args)} raised {error}: {message}".rstrip(": "), error)
 
