@@ -1,6 +1,6 @@
 """infopt-lab: LLM inference optimization, measured. `import infopt_lab as lab`."""
 from . import kernels  # first: without CUDA it sets TRITON_INTERPRET=1 before anything imports triton
-from . import batching, costs, data, kv_cache, metrics, quantize, sampling
+from . import batching, costs, data, kv_cache, metrics, quantize, sampling, speculative
 from .batching import static_batch_utilization
 from .config import PRESETS, ModelConfig, get_preset
 from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, forward_cost, generation_cost,
@@ -20,5 +20,6 @@ from .model import Transformer
 from .quantize import (QuantLinear, dequantize, pack_int4, quantization_error, quantize_asymmetric,
                        quantize_linear, quantize_model, quantize_symmetric, state_dict_bytes, unpack_int4)
 from .sampling import SamplingParams, logits_to_probs, sample
+from .speculative import expected_tokens_per_pass, prompt_lookup_generate, speculative_generate
 
 __version__ = "0.1.0"

@@ -11,6 +11,8 @@ def _cmd_train(args) -> int:
     recipe = RECIPES[args.preset]
     if args.steps is not None:
         recipe = replace(recipe, steps=args.steps)
+    if args.init is not None:
+        recipe = replace(recipe, init_from=str(args.init))
     train(recipe, args.out, tokenizer_dir=args.tokenizer)
     print(f"saved {args.preset} model to {args.out}")
     return 0
@@ -65,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="directory whose tokenizer.json to reuse (a draft shares its target's)")
     p.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
+    p.add_argument("--init", default=None, help="a model directory whose weights start the run "
+                                                "(draft-distill starts from a trained draft)")
     p.set_defaults(func=_cmd_train)
     from .grading.cli import add_subcommands as add_grading_subcommands
     add_grading_subcommands(sub)

@@ -32,9 +32,9 @@ def _complete(model, tok, prompt: str) -> str:
 
 def render(m: dict, reference: dict | None = None) -> str:
     """The model card's Markdown."""
-    c, r, last = m["config"], m["recipe"], m["log"][-1]
-    tokens = r["steps"] * r["batch_size"] * r["seq_len"]
+    c, r = m["config"], m["recipe"]
     tok_flag = " --tokenizer infopt_lab/assets/models/target" if m["name"] == "draft" else ""
+    stages = [(r["init_recipe"], "pretrain"), (r, "distill")] if "init_recipe" in r else [(r, None)]
     lines = [
         f"# infopt-lab `{m['name']}` model", "",
         "A Llama-style decoder trained by the course's own recipe on the Python standard library "
@@ -49,11 +49,9 @@ def render(m: dict, reference: dict | None = None) -> str:
         f"| context | {c.max_seq_len} tokens (trained on {r['seq_len']}-token windows) |",
         f"| embeddings | {'tied to the output head' if c.tie_embeddings else 'untied'} |", "",
         "## Training", "",
-        f"{r['steps']} steps of {r['batch_size']} x {r['seq_len']} tokens = {tokens / 1e6:.1f}M tokens, "
-        f"AdamW (peak lr {r['lr']}, cosine, warm-up {r['warmup']}), bf16 autocast, seed {r['seed']}; "
-        f"{last['elapsed_s'] / 60:.0f} minutes on a 2-core CPU (shared with other work during the run).", "",
+        *[_stage_line(stage, name, m["log"]) for stage, name in stages], "",
         "Reproduce:", "", "```bash",
-        f"infopt-lab train --preset {m['name']} --out infopt_lab/assets/models/{m['name']}{tok_flag}",
+        *_reproduce(m["name"], tok_flag, len(stages) > 1),
         "```", "",
         "## Quality on the held-out split", "",
         f"- perplexity: {m['ppl']:.2f} (per token)",
@@ -67,6 +65,27 @@ def render(m: dict, reference: dict | None = None) -> str:
         lines += ["```python", prompt + text, "```", ""]
     lines += ["Figures written by `infopt-lab card`; rerun it after retraining."]
     return "\n".join(lines) + "\n"
+
+
+def _stage_line(r: dict, stage: str | None, log: list[dict]) -> str:
+    """One training stage in words: steps, tokens, optimizer, the loss, the time it took."""
+    entries = [e for e in log if e.get("stage") == stage] if stage else log
+    tokens = r["steps"] * r["batch_size"] * r["seq_len"]
+    loss = (f"next-token loss mixed with KL divergence to the `{r['teacher']}` model's distributions "
+            f"(weight {r['distill_weight']}), starting from the pretrained weights"
+            if r.get("teacher") else "next-token loss")
+    label = f"{stage.capitalize()}: " if stage else ""
+    return (f"- {label}{r['steps']} steps of {r['batch_size']} x {r['seq_len']} tokens = {tokens / 1e6:.1f}M tokens, "
+            f"{loss}; AdamW (peak lr {r['lr']}, cosine, warm-up {r['warmup']}), bf16 autocast, seed {r['seed']}; "
+            f"{entries[-1]['elapsed_s'] / 60:.0f} minutes on a 2-core CPU (shared with other work during the run).")
+
+
+def _reproduce(name: str, tok_flag: str, distilled: bool) -> list[str]:
+    if not distilled:
+        return [f"infopt-lab train --preset {name} --out infopt_lab/assets/models/{name}{tok_flag}"]
+    return [f"infopt-lab train --preset {name} --out runs/{name}-pretrain{tok_flag}",
+            f"infopt-lab train --preset {name}-distill --init runs/{name}-pretrain "
+            f"--out infopt_lab/assets/models/{name}{tok_flag}"]
 
 
 def write_cards(names: list[str]) -> list[dict]:

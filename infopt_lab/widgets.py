@@ -193,3 +193,56 @@ def attention_memory_explorer(N: int = 4096, D: int = 128, block: int = 64) -> W
         w.observe(redraw, "value")
     redraw()
     return W.VBox([W.HBox([n_slider, d_drop, b_drop]), out])
+
+
+def rounds_html(tok, rounds, max_rounds: int | None = None) -> str:
+    """A speculative run as HTML: accepted draft tokens green, rejected ones struck through in red,
+    the target's own token (a correction, or a bonus after a fully accepted round) in blue."""
+    import html
+
+    def piece(token_ids, style):
+        text = html.escape(tok.decode(token_ids)).replace("\n", "↵<br>").replace(" ", "&nbsp;")
+        return f'<span style="{style}">{text}</span>'
+    parts = []
+    for r in rounds[:max_rounds]:
+        parts.append(piece(r.proposed[:r.accepted], "background:#c8f7c5"))
+        if r.accepted < len(r.proposed):
+            parts.append(piece(r.proposed[r.accepted:], "color:#c0392b;text-decoration:line-through"))
+        parts.append(piece(r.emitted[-1:], "background:#cfe3ff;font-weight:bold"))
+        parts.append('<span style="color:#999">|</span>')
+    legend = ('<div style="font-family:sans-serif;font-size:12px;margin-bottom:4px">'
+              '<span style="background:#c8f7c5">accepted draft</span> · '
+              '<span style="color:#c0392b;text-decoration:line-through">rejected draft</span> · '
+              '<span style="background:#cfe3ff;font-weight:bold">target\'s token</span> · | one target pass</div>')
+    return legend + f'<div style="font-family:monospace;font-size:12px;line-height:1.6">{"".join(parts)}</div>'
+
+
+def speculative_explorer(target, draft, tok, prompt: str, new_tokens: int = 64, k: int = 4,
+                         temperature: float = 0.0) -> W.VBox:
+    """k and temperature -> a live speculative run: acceptance, tokens per pass, speed against the target alone."""
+    import torch
+
+    from .generate import generate
+    from .speculative import expected_tokens_per_pass, speculative_generate
+    k_slider = W.IntSlider(value=k, min=1, max=10, description="k", continuous_update=False)
+    t_slider = W.FloatSlider(value=temperature, min=0.0, max=1.5, step=0.1, description="temperature",
+                             continuous_update=False)
+    out = W.Output()
+    ids = torch.tensor([tok.encode(prompt)], device=next(target.parameters()).device)
+
+    def redraw(_=None) -> None:
+        with out:
+            out.clear_output(wait=True)
+            base = generate(target, tok, prompt, max_new_tokens=new_tokens, temperature=t_slider.value,
+                            stop_at_eos=False)
+            run = speculative_generate(target, draft, ids, new_tokens, k=k_slider.value, temperature=t_slider.value)
+            print(f"k={k_slider.value}, temperature={t_slider.value:.1f}: acceptance {run.acceptance_rate:.2f}, "
+                  f"tokens per target pass {run.tokens_per_pass:.2f} (formula "
+                  f"{expected_tokens_per_pass(run.acceptance_rate, k_slider.value):.2f}), "
+                  f"{run.tokens_per_s:.0f} tok/s vs target alone {new_tokens / base.e2e_s:.0f} tok/s "
+                  f"({run.tokens_per_s * base.e2e_s / new_tokens:.2f}x)")
+
+    k_slider.observe(redraw, "value")
+    t_slider.observe(redraw, "value")
+    redraw()
+    return W.VBox([W.HBox([k_slider, t_slider]), out])

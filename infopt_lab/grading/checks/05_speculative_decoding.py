@@ -1,0 +1,106 @@
+"""Checks for exercises/05_speculative_decoding.ipynb: greedy verification, the sampling rule, the formula.
+
+Conventions the notebook states and these checks hold the student to:
+
+- `verify_greedy(draft_tokens, target_argmax)` -> the longest prefix of draft_tokens equal to target_argmax
+  position by position, then target_argmax at the first mismatch (target_argmax[k] if none).
+- `verify_sample(draft_tokens, draft_probs, target_probs, generator)` -> emitted token ids: accept each draft
+  token x with probability min(1, p_i(x) / q_i(x)); at the first rejection draw from normalised
+  max(0, p_i - q_i) (p_i if that is all zero) and stop; if all k are accepted, draw a bonus from p_k.
+  Driven through the given `emitted_histogram(p, q, k, trials, seed, p_last=None)`.
+- `expected_tokens_per_pass(alpha, k)` = (1 - alpha^(k+1)) / (1 - alpha), k + 1 at alpha = 1; ValueError for
+  alpha outside [0, 1] or k < 1.
+"""
+from __future__ import annotations
+
+import random
+
+from . import CheckFailed, check, expect_close, expect_raises, short
+
+TRIALS = 8000
+MAX_TV = 0.035           # a correct rule exceeds it with negligible probability at TRIALS draws
+MAX_ACCEPT_GAP = 0.03
+
+
+def _greedy_case(sub, draft, argmax) -> None:
+    n = 0
+    while n < len(draft) and draft[n] == argmax[n]:
+        n += 1
+    want = draft[:n] + [argmax[n]]
+    got = sub.call("verify_greedy", draft, argmax)
+    if got != want:
+        raise CheckFailed(f"verify_greedy({draft}, {argmax}) returned {short(got)}, expected {want}")
+
+
+@check("verify_greedy on the notebook's three rounds", points=2)
+def greedy_notebook(sub):
+    for draft, argmax in [([5, 9, 2, 7], [5, 9, 4, 1, 3]), ([5, 9], [5, 9, 8]), ([6], [3, 0])]:
+        _greedy_case(sub, draft, argmax)
+
+
+@check("verify_greedy on hidden rounds: long drafts, a late mismatch, repeated tokens", points=2)
+def greedy_hidden(sub):
+    rng = random.Random(7)
+    cases = [([1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 2, 9]), ([4, 4], [4, 5, 6]), ([0], [0, 0])]
+    for _ in range(8):
+        k = rng.randint(1, 9)
+        draft = [rng.randint(0, 3) for _ in range(k)]
+        cases.append((draft, [d if rng.random() < 0.7 else rng.randint(0, 3) for d in draft] + [rng.randint(0, 3)]))
+    for draft, argmax in cases:
+        _greedy_case(sub, draft, argmax)
+
+
+def _tv(counts, p) -> float:
+    total = sum(counts)
+    return 0.5 * sum(abs(c / total - pi) for c, pi in zip(counts, p)) if total else 1.0
+
+
+def _sampling_case(sub, p, q, k, seed, p_last=None) -> None:
+    what = f"emitted_histogram(p={p}, q={q}, k={k})"
+    got = sub.call("emitted_histogram", p, q, k, TRIALS, seed, p_last)
+    if not isinstance(got, dict) or not {"first", "accepted", "bonus"} <= set(got):
+        raise CheckFailed(f"{what} returned {short(got)}, expected the dict the given helper builds")
+    tv = _tv(got["first"], p)
+    if tv > MAX_TV:
+        raise CheckFailed(f"{what}: the first emitted token is {tv:.3f} from p in total variation "
+                          f"(at most {MAX_TV} for a correct rule)")
+    overlap = sum(min(a, b) for a, b in zip(p, q))
+    if k == 1 and abs(got["accepted"] / TRIALS - overlap) > MAX_ACCEPT_GAP:
+        raise CheckFailed(f"{what}: {got['accepted'] / TRIALS:.3f} of draft tokens accepted, expected "
+                          f"sum(min(p, q)) = {overlap:.3f}: accept with probability min(1, p/q)")
+    if p_last is not None and sum(got["bonus"]) >= 500 and _tv(got["bonus"], p_last) > 2 * MAX_TV:
+        raise CheckFailed(f"{what}: bonus tokens after a fully accepted round are {_tv(got['bonus'], p_last):.3f} "
+                          f"from p_k; draw them from target_probs[k]")
+
+
+@check("verify_sample emits the target's distribution on the notebook's pair, with the right acceptance", points=3)
+def sampling_notebook(sub):
+    _sampling_case(sub, [0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.4, 0.4], 1, seed=1)
+
+
+@check("verify_sample on hidden pairs: q = 0 where p > 0, p = 0 where q > 0, equal, disjoint, k > 1", points=4)
+def sampling_hidden(sub):
+    cases = [([0.1, 0.2, 0.3, 0.4], [0.7, 0.3, 0.0, 0.0], 1, None),
+             ([0.0, 0.0, 0.6, 0.4], [0.5, 0.5, 0.0, 0.0], 1, None),
+             ([0.2, 0.2, 0.2, 0.2, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2], 1, [0.7, 0.1, 0.1, 0.05, 0.05]),
+             ([0.45, 0.05, 0.3, 0.2], [0.25, 0.25, 0.25, 0.25], 3, None),
+             ([0.6, 0.4, 0.0], [0.5, 0.3, 0.2], 2, [0.0, 0.1, 0.9])]
+    for i, (p, q, k, p_last) in enumerate(cases):
+        _sampling_case(sub, p, q, k, seed=100 + i, p_last=p_last)
+
+
+@check("expected_tokens_per_pass on the notebook's values", points=1)
+def formula_notebook(sub):
+    for alpha, k, want in [(0.0, 4, 1.0), (0.5, 2, 1.75), (0.8, 4, (1 - 0.8 ** 5) / 0.2), (1.0, 4, 5.0)]:
+        expect_close(sub.call("expected_tokens_per_pass", alpha, k), want, f"expected_tokens_per_pass({alpha}, {k})",
+                     rel=1e-9)
+
+
+@check("expected_tokens_per_pass on hidden values and its errors (ValueError)", points=2)
+def formula_hidden(sub):
+    for alpha, k in [(0.3, 1), (0.95, 8), (0.999, 3), (0.62, 6), (1.0, 1)]:
+        want = float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        expect_close(sub.call("expected_tokens_per_pass", alpha, k), want, f"expected_tokens_per_pass({alpha}, {k})",
+                     rel=1e-6)
+    for args in [(1.2, 4), (-0.1, 4), (0.5, 0)]:
+        expect_raises(sub, "ValueError", "expected_tokens_per_pass", *args)

@@ -1,0 +1,266 @@
+"""Speculative decoding: a cheap drafter proposes k tokens, the target checks them all in one pass.
+
+One round: the draft model (or a prompt lookup) proposes d_1..d_k; the target runs once over
+[last token, d_1..d_k] and so gives its k + 1 next-token distributions p_0..p_k; `verify` keeps
+the longest acceptable prefix and adds one token of the target's own. Every round emits between
+1 and k + 1 tokens for a single target pass, and the output is the target's:
+
+- greedy: d_i is kept while it equals argmax p_{i-1}; the first mismatch is replaced by the
+  target's argmax, so the tokens are exactly the target's greedy tokens;
+- sampling (Leviathan et al. 2023; Chen et al. 2023): d_i, drawn from the drafter's q, is kept
+  with probability min(1, p(d_i) / q(d_i)); on rejection a token is drawn from the normalised
+  max(0, p - q); if all k are kept, one more is drawn from p_k. The emitted tokens are then
+  distributed exactly as if sampled from the target alone.
+
+Both KV caches are rolled back to the accepted length simply by moving the write position:
+entries past it are overwritten by the next round and never attended to.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .device import synchronize
+from .kv_cache import KVCache
+from .sampling import logits_to_probs, make_generator
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """Tokens emitted per target pass when each draft token is accepted with probability alpha: (1 - a^(k+1)) / (1 - a)."""
+    _check_alpha_k(alpha, k)
+    return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Speedup over target-only decoding when a draft step costs `cost_ratio` target steps (verification ~ 1 step)."""
+    if cost_ratio < 0:
+        raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+    return expected_tokens_per_pass(alpha, k) / (k * cost_ratio + 1)
+
+
+def _check_alpha_k(alpha: float, k: int) -> None:
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+
+
+def verify(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
+           generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """The sampling acceptance rule. draft_tokens [k], draft_probs [k, V], target_probs [k + 1, V].
+
+    Returns (emitted tokens, number of draft tokens accepted): the accepted prefix plus one
+    token drawn from the residual max(0, p - q) at the first rejection, or from p_k if none.
+    """
+    k = draft_tokens.shape[0]
+    if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1 or draft_probs.shape[1] != target_probs.shape[1]:
+        raise ValueError(f"need draft_probs [k, V] and target_probs [k + 1, V] for k={k}, got "
+                         f"{tuple(draft_probs.shape)} and {tuple(target_probs.shape)}")
+    emitted: list[int] = []
+    for i in range(k):
+        x = int(draft_tokens[i])
+        p, q = target_probs[i, x].item(), draft_probs[i, x].item()
+        u = torch.rand((), generator=generator, device=target_probs.device).item()
+        if q > 0 and u < min(1.0, p / q):
+            emitted.append(x)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)           # where the target wants more
+        total = residual.sum()
+        residual = residual / total if total > 0 else target_probs[i]
+        emitted.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return emitted, i
+    emitted.append(int(torch.multinomial(target_probs[k], 1, generator=generator)))
+    return emitted, k
+
+
+def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance: keep draft tokens while they equal the target's argmax, then add the target's token."""
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
+        n += 1
+    return list(draft_tokens[:n]) + [target_argmax[n]], n
+
+
+@dataclass
+class Round:
+    proposed: list[int]          # what the drafter proposed
+    accepted: int                # how many of them the target kept
+    emitted: list[int]           # accepted tokens + the target's own (a correction or a bonus)
+
+
+@dataclass
+class SpeculativeOutput:
+    token_ids: list[int]
+    k: int
+    rounds: list[Round] = field(repr=False)
+    target_forwards: int
+    draft_forwards: int
+    wall_s: float
+
+    @property
+    def proposed(self) -> int:
+        return sum(len(r.proposed) for r in self.rounds)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha: the share of draft tokens the target judged that it accepted.
+
+        A round judges its accepted tokens and, unless all were accepted, the first rejected
+        one; tokens after a rejection are never judged. This is the per-token acceptance
+        probability of the formula (its maximum-likelihood estimate).
+        """
+        judged = sum(r.accepted + (r.accepted < len(r.proposed)) for r in self.rounds)
+        return sum(r.accepted for r in self.rounds) / judged if judged else float("nan")
+
+    @property
+    def draft_yield(self) -> float:
+        """Accepted draft tokens / proposed draft tokens (the work of the drafter that was kept)."""
+        return sum(r.accepted for r in self.rounds) / self.proposed if self.proposed else float("nan")
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Share of rounds whose draft token i was accepted, among rounds that proposed it and reached it."""
+        rates = []
+        for i in range(self.k):
+            reached = [r for r in self.rounds if len(r.proposed) > i and r.accepted >= i]
+            rates.append(sum(r.accepted > i for r in reached) / len(reached) if reached else float("nan"))
+        return rates
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """New tokens per target forward pass after the prefill (1.0 for plain decoding)."""
+        return sum(len(r.emitted) for r in self.rounds) / max(1, len(self.rounds))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+class _Decoder:
+    """A model, its KV cache and the number of positions the cache holds."""
+
+    def __init__(self, model, capacity: int):
+        self.model, self.cache, self.pos, self.forwards = model, KVCache.for_model(model, 1, capacity), 0, 0
+
+    @torch.inference_mode()
+    def feed(self, tokens: list[int]) -> Tensor:
+        """Append tokens at the current position; logits [len(tokens), V] of each."""
+        device = self.cache.k.device
+        ids = torch.tensor([tokens], device=device)
+        pos = torch.arange(self.pos, self.pos + len(tokens), device=device)
+        self.pos += len(tokens)
+        self.forwards += 1
+        return self.model(ids, pos, self.cache)[0]
+
+
+def _check_pair(target, draft, input_ids: Tensor, max_new_tokens: int, k: int, temperature: float) -> None:
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    if temperature is None or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs from the target's "
+                         f"({target.config.vocab_size}): speculative decoding needs one shared tokenizer")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [1, T] with T >= 1, got {tuple(input_ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    limit = min(target.config.max_seq_len, draft.config.max_seq_len if draft is not None else 10**9)
+    if input_ids.shape[1] + max_new_tokens + k + 1 > limit:
+        raise ValueError(f"prompt of {input_ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + k + 1 "
+                         f"exceeds the context of {limit} tokens")
+
+
+def _finish(out: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+    out = out[:max_new_tokens]
+    if eos_id is not None and eos_id in out:
+        out = out[:out.index(eos_id) + 1]
+    return out
+
+
+def speculative_generate(target, draft, input_ids: Tensor, max_new_tokens: int, k: int = 4,
+                         temperature: float = 0.0, seed: int | None = 0,
+                         eos_id: int | None = None) -> SpeculativeOutput:
+    """Decode with the draft proposing k tokens per round and the target verifying them in one pass."""
+    _check_pair(target, draft, input_ids, max_new_tokens, k, temperature)
+    prompt = input_ids[0].tolist()
+    capacity = len(prompt) + max_new_tokens + k + 1
+    tgt, drf = _Decoder(target, capacity), _Decoder(draft, capacity)
+    generator = make_generator(seed, input_ids.device)
+    greedy = temperature == 0
+
+    def pick(logits: Tensor) -> int:
+        if greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(logits_to_probs(logits, temperature), 1, generator=generator))
+
+    synchronize(input_ids.device)
+    start = time.perf_counter()
+    out = [pick(tgt.feed(prompt)[-1])]                # the target's prefill gives the first token
+    if len(prompt) > 1:
+        drf.feed(prompt[:-1])
+    pending = [prompt[-1], out[0]]                    # tokens the draft has not seen yet
+    rounds: list[Round] = []
+    while len(out) < max_new_tokens and (eos_id is None or eos_id not in out):
+        logits = drf.feed(pending)[-1]                # the draft proposes d_1..d_k
+        proposed, q = [], []
+        for i in range(k):
+            if greedy:
+                proposed.append(int(logits.argmax()))
+            else:
+                q.append(logits_to_probs(logits, temperature))
+                proposed.append(int(torch.multinomial(q[-1], 1, generator=generator)))
+            if i < k - 1:
+                logits = drf.feed([proposed[-1]])[-1]
+        p_logits = tgt.feed([out[-1]] + proposed)     # one target pass: p_0..p_k, [k + 1, V]
+        if greedy:
+            emitted, accepted = verify_greedy(proposed, p_logits.argmax(-1).tolist())
+        else:
+            emitted, accepted = verify(torch.tensor(proposed), torch.stack(q),
+                                       logits_to_probs(p_logits, temperature), generator)
+        tgt.pos -= k - accepted                       # roll back: keep [last, d_1..d_accepted]
+        if accepted < k:
+            drf.pos -= k - 1 - accepted               # the draft fed d_1..d_{k-1}; keep d_1..d_accepted
+            pending = [emitted[-1]]
+        else:
+            pending = [proposed[-1], emitted[-1]]     # d_k and the bonus token are new to the draft
+        rounds.append(Round(proposed, accepted, emitted))
+        out += emitted
+    synchronize(input_ids.device)
+    return SpeculativeOutput(_finish(out, max_new_tokens, eos_id), k, rounds, tgt.forwards, drf.forwards,
+                             time.perf_counter() - start)
+
+
+def lookup_draft(context: list[int], k: int = 4, max_ngram: int = 3) -> list[int]:
+    """Prompt-lookup proposal: the up-to-k tokens that followed the latest earlier match of the context's last n-gram."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        tail = context[-n:]
+        for i in range(len(context) - n - 1, -1, -1):     # latest earlier occurrence first
+            if context[i:i + n] == tail:
+                return context[i + n:i + n + k]
+    return []
+
+
+def prompt_lookup_generate(target, input_ids: Tensor, max_new_tokens: int, k: int = 4, max_ngram: int = 3,
+                           eos_id: int | None = None) -> SpeculativeOutput:
+    """Greedy speculative decoding with no draft model: proposals are copied from earlier in the context."""
+    _check_pair(target, None, input_ids, max_new_tokens, k, 0.0)
+    prompt = input_ids[0].tolist()
+    tgt = _Decoder(target, len(prompt) + max_new_tokens + k + 1)
+    synchronize(input_ids.device)
+    start = time.perf_counter()
+    out = [int(tgt.feed(prompt)[-1].argmax())]
+    rounds: list[Round] = []
+    while len(out) < max_new_tokens and (eos_id is None or eos_id not in out):
+        proposed = lookup_draft(prompt + out, k, max_ngram)
+        p_logits = tgt.feed([out[-1]] + proposed)
+        emitted, accepted = verify_greedy(proposed, p_logits.argmax(-1).tolist())
+        tgt.pos -= len(proposed) - accepted
+        rounds.append(Round(proposed, accepted, emitted))
+        out += emitted
+    synchronize(input_ids.device)
+    return SpeculativeOutput(_finish(out, max_new_tokens, eos_id), k, rounds, tgt.forwards, 0,
+                             time.perf_counter() - start)

@@ -1,0 +1,115 @@
+"""Speculative decoding: greedy output is the target's, sampling preserves its distribution, the formula holds."""
+import pytest
+import torch
+
+import infopt_lab as lab
+from infopt_lab import speculative as sp
+
+PROMPTS = ["def fib(n):", "import os\n\n\ndef read_file(path):", "class Stack:\n    def __init__(self):",
+           "    for i in range(len(items)):", "x = 1", "def main():\n    args = parse_args()", "import sys",
+           "    return self._cache[key]", "try:\n    import threading", "def _check(value, name):",
+           "class Error(Exception):", "    @property", "SEP = '/'", "def join(a, *p):",
+           "    if not isinstance(path, str):", "from collections import deque", "    def __repr__(self):",
+           "while True:", "def copyfile(src, dst):", "    raise ValueError("]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, tok = lab.load_model("target")
+    draft, _ = lab.load_model("draft")
+    return target, draft, tok
+
+
+def test_greedy_speculative_equals_target_greedy(pair):
+    target, draft, tok = pair
+    assert len(PROMPTS) == 20
+    for prompt in PROMPTS:
+        want = lab.generate(target, tok, prompt, max_new_tokens=128, stop_at_eos=False).token_ids
+        ids = torch.tensor([tok.encode(prompt)])
+        for k in (1, 2, 4, 8):
+            out = sp.speculative_generate(target, draft, ids, 128, k=k)
+            assert out.token_ids == want, (prompt, k)
+            assert out.target_forwards == len(out.rounds) + 1          # one pass per round, plus the prefill
+
+
+def test_tokens_per_pass_follow_the_formula(pair):
+    target, draft, tok = pair
+    for k in (2, 4):
+        rounds = []
+        for prompt in PROMPTS[:6]:
+            rounds += sp.speculative_generate(target, draft, torch.tensor([tok.encode(prompt)]), 96, k=k).rounds
+        run = sp.SpeculativeOutput([], k, rounds, 0, 0, 1.0)
+        predicted = lab.expected_tokens_per_pass(run.acceptance_rate, k)
+        assert abs(run.tokens_per_pass / predicted - 1) <= 0.10, (k, run.tokens_per_pass, predicted)
+        assert 0 < run.draft_yield <= run.acceptance_rate <= 1
+
+
+def _tv_of_first_token(p: torch.Tensor, q: torch.Tensor, k: int, trials: int = 20_000) -> float:
+    """Draw k draft tokens from q, verify against p at every position; TV distance of the first emitted token to p."""
+    g = torch.Generator().manual_seed(1234)
+    counts = torch.zeros_like(p)
+    draft_probs, target_probs = q.expand(k, -1), p.expand(k + 1, -1)
+    for _ in range(trials):
+        draft = torch.multinomial(draft_probs, 1, generator=g).squeeze(1)
+        emitted, accepted = sp.verify(draft, draft_probs, target_probs, g)
+        assert len(emitted) == accepted + 1 and 0 <= accepted <= k
+        counts[emitted[0]] += 1
+    return 0.5 * (counts / trials - p).abs().sum().item()
+
+
+@pytest.mark.parametrize("p,q", [
+    ([0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]),          # p = 0 where q > 0
+    ([0.1, 0.2, 0.3, 0.4], [0.7, 0.3, 0.0, 0.0]),              # q = 0 where p > 0
+    ([0.0, 0.0, 0.6, 0.4], [0.5, 0.5, 0.0, 0.0]),              # disjoint: every draft token rejected
+    ([0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]),      # equal: every draft token accepted
+])
+def test_verify_samples_from_the_target_distribution(p, q):
+    p, q = torch.tensor(p), torch.tensor(q)
+    assert _tv_of_first_token(p, q, k=1) <= 0.02
+    assert _tv_of_first_token(p, q, k=3, trials=5_000) <= 0.04   # fewer trials: a looser bound, same property
+
+
+def test_sampled_speculative_run_is_seeded_and_valid(pair):
+    target, draft, tok = pair
+    ids = torch.tensor([tok.encode("def parse(text):")])
+    a = sp.speculative_generate(target, draft, ids, 40, k=3, temperature=0.8, seed=5)
+    b = sp.speculative_generate(target, draft, ids, 40, k=3, temperature=0.8, seed=5)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 40
+
+
+def test_prompt_lookup_copies_repeated_code_and_keeps_greedy_tokens(pair):
+    target, _, tok = pair
+    prompt = ("def area(shape):\n    if shape.kind == 'circle':\n        return 3.14159 * shape.r * shape.r\n"
+              "    if shape.kind == 'square':\n        return shape.side * shape.side\n    return 0\n\n\n"
+              "def perimeter(shape):\n    if shape.kind == 'circle':\n")
+    want = lab.generate(target, tok, prompt, max_new_tokens=64, stop_at_eos=False).token_ids
+    out = sp.prompt_lookup_generate(target, torch.tensor([tok.encode(prompt)]), 64, k=6)
+    assert out.token_ids == want
+    assert out.tokens_per_pass > 1.5 and out.draft_forwards == 0
+
+
+def test_formula_and_lookup():
+    assert lab.expected_tokens_per_pass(0.0, 4) == 1.0
+    assert lab.expected_tokens_per_pass(1.0, 4) == 5.0
+    assert lab.expected_tokens_per_pass(0.5, 2) == pytest.approx(1.75)
+    assert sp.expected_speedup(0.8, 4, 0.0) == pytest.approx(lab.expected_tokens_per_pass(0.8, 4))
+    assert sp.lookup_draft([1, 2, 3, 9, 1, 2], k=3) == [3, 9, 1]
+    assert sp.lookup_draft([5, 6, 7], k=3) == []
+    assert sp.verify_greedy([4, 5, 6], [4, 5, 7, 8]) == ([4, 5, 7], 2)
+    assert sp.verify_greedy([4, 5], [4, 5, 9]) == ([4, 5, 9], 2)
+
+
+def test_bad_input_is_refused(pair, tiny):
+    target, draft, tok = pair
+    ids = torch.tensor([tok.encode("x = 1")])
+    with pytest.raises(ValueError, match="k must be"):
+        sp.speculative_generate(target, draft, ids, 8, k=0)
+    with pytest.raises(ValueError, match="temperature"):
+        sp.speculative_generate(target, draft, ids, 8, temperature=-0.5)
+    small = lab.Transformer(lab.get_preset("tiny"))             # a 512-token vocabulary
+    with pytest.raises(ValueError, match="vocabulary"):
+        sp.speculative_generate(target, small, ids, 8)
+    with pytest.raises(ValueError, match="alpha"):
+        lab.expected_tokens_per_pass(1.5, 4)
+    with pytest.raises(ValueError, match="k must be"):
+        lab.expected_tokens_per_pass(0.5, 0)
