@@ -60,7 +60,7 @@ if HAS_TRITON:
         l_i = tl.zeros((1,), dtype=tl.float32)                  # as in FlashAttention
         acc = tl.zeros((D,), dtype=tl.float32)
         for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-            block = tl.load(BLOCK_TABLES + b * stride_tb + j)                     # where this block lies
+            block = tl.load(BLOCK_TABLES + b * stride_tb + j).to(tl.int64)       # where this block lies
             rows = block * stride_cb + offs_s[:, None] * stride_cs + kv_h * stride_ch + offs_d[None, :]
             k = tl.load(K_CACHE + rows).to(tl.float32)                            # (BLOCK_SIZE, D)
             v = tl.load(V_CACHE + rows).to(tl.float32)
