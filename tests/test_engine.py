@@ -70,12 +70,14 @@ def test_engine_on_the_seeds_mix_measures_the_seeds_utilization(tiny):
 def test_a_request_that_can_never_fit_fails_alone(tiny):
     model, tok = tiny
     engine = lab.Engine(model, tok, max_batch_size=4, block_size=16, num_blocks=9)   # 8 blocks = 128 tokens
-    outs = engine.generate(["x = 1", "y = 2", "z = 3", ""], max_new_tokens=[8, 253, 200, 4], stop_at_eos=False)
+    outs = engine.generate(["x = 1", "y = 2", "z = 3", "", [0, 5, 99999]], max_new_tokens=[8, 253, 200, 4, 4],
+                           stop_at_eos=False)
     assert outs[0].ok and len(outs[0].token_ids) == 8
     assert "context of 256 tokens" in outs[1].error and outs[1].token_ids == []
     assert "KV blocks" in outs[2].error and "num_blocks" in outs[2].error
     assert "empty" in outs[3].error
-    assert engine.stats.completed == 1 and engine.stats.failed == 3
+    assert "token ids must be in [0, 4096)" in outs[4].error
+    assert engine.stats.completed == 1 and engine.stats.failed == 4
 
 
 def test_engine_rejects_bad_settings(tiny):

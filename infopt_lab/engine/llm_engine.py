@@ -126,6 +126,10 @@ class LLMEngine:
         """Why a request can never be served (None when it can)."""
         if not seq.prompt_ids:
             return "the prompt is empty: give at least one token"
+        vocab = self.model.config.vocab_size
+        bad = [t for t in seq.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            return f"token ids must be in [0, {vocab}), got {bad[:5]}"
         if not isinstance(seq.max_new_tokens, int) or seq.max_new_tokens < 1:
             return f"max_new_tokens must be a positive integer, got {seq.max_new_tokens!r}"
         total = len(seq.prompt_ids) + seq.max_new_tokens
