@@ -181,6 +181,22 @@ def _finish(out: list[int], max_new_tokens: int, eos_id: int | None) -> list[int
     return out
 
 
+def _propose(drf: _Decoder, pending: list[int], k: int, pick_greedy, temperature: float,
+             generator) -> tuple[list[int], list[Tensor]]:
+    """The draft's k tokens after feeding `pending`; with sampling, also the distribution each was drawn from."""
+    logits = drf.feed(pending)[-1]
+    proposed, q = [], []
+    for i in range(k):
+        if pick_greedy is not None:
+            proposed.append(pick_greedy(logits))
+        else:
+            q.append(logits_to_probs(logits, temperature))
+            proposed.append(int(torch.multinomial(q[-1], 1, generator=generator)))
+        if i < k - 1:
+            logits = drf.feed([proposed[-1]])[-1]
+    return proposed, q
+
+
 def speculative_generate(target, draft, input_ids: Tensor, max_new_tokens: int, k: int = 4,
                          temperature: float = 0.0, seed: int | None = 0,
                          eos_id: int | None = None) -> SpeculativeOutput:
@@ -205,16 +221,7 @@ def speculative_generate(target, draft, input_ids: Tensor, max_new_tokens: int, 
     pending = [prompt[-1], out[0]]                    # tokens the draft has not seen yet
     rounds: list[Round] = []
     while len(out) < max_new_tokens and (eos_id is None or eos_id not in out):
-        logits = drf.feed(pending)[-1]                # the draft proposes d_1..d_k
-        proposed, q = [], []
-        for i in range(k):
-            if greedy:
-                proposed.append(int(logits.argmax()))
-            else:
-                q.append(logits_to_probs(logits, temperature))
-                proposed.append(int(torch.multinomial(q[-1], 1, generator=generator)))
-            if i < k - 1:
-                logits = drf.feed([proposed[-1]])[-1]
+        proposed, q = _propose(drf, pending, k, pick if greedy else None, temperature, generator)
         p_logits = tgt.feed([out[-1]] + proposed)     # one target pass: p_0..p_k, [k + 1, V]
         if greedy:
             emitted, accepted = verify_greedy(proposed, p_logits.argmax(-1).tolist())
