@@ -15,8 +15,9 @@ PROMPTS = ["def fib(n):", "import os\n\n\ndef read_file(path):", "class Stack:\n
 
 @pytest.fixture(scope="module")
 def pair():
-    target, tok = lab.load_model("target")
-    draft, _ = lab.load_model("draft")
+    # fp32 on every device: equality with plain greedy decoding is exact only without 16-bit rounding
+    target, tok = lab.load_model("target", dtype=torch.float32)
+    draft, _ = lab.load_model("draft", dtype=torch.float32)
     return target, draft, tok
 
 
@@ -25,7 +26,7 @@ def test_greedy_speculative_equals_target_greedy(pair):
     assert len(PROMPTS) == 20
     for prompt in PROMPTS:
         want = lab.generate(target, tok, prompt, max_new_tokens=128, stop_at_eos=False).token_ids
-        ids = torch.tensor([tok.encode(prompt)])
+        ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
         for k in (1, 2, 4, 8):
             out = sp.speculative_generate(target, draft, ids, 128, k=k)
             assert out.token_ids == want, (prompt, k)
@@ -37,7 +38,8 @@ def test_tokens_per_pass_follow_the_formula(pair):
     for k in (2, 4):
         rounds = []
         for prompt in PROMPTS[:6]:
-            rounds += sp.speculative_generate(target, draft, torch.tensor([tok.encode(prompt)]), 96, k=k).rounds
+            ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
+            rounds += sp.speculative_generate(target, draft, ids, 96, k=k).rounds
         run = sp.SpeculativeOutput([], k, rounds, 0, 0, 1.0)
         predicted = lab.expected_tokens_per_pass(run.acceptance_rate, k)
         assert abs(run.tokens_per_pass / predicted - 1) <= 0.10, (k, run.tokens_per_pass, predicted)
@@ -71,7 +73,7 @@ def test_verify_samples_from_the_target_distribution(p, q):
 
 def test_sampled_speculative_run_is_seeded_and_valid(pair):
     target, draft, tok = pair
-    ids = torch.tensor([tok.encode("def parse(text):")])
+    ids = torch.tensor([tok.encode("def parse(text):")], device=lab.get_device())
     a = sp.speculative_generate(target, draft, ids, 40, k=3, temperature=0.8, seed=5)
     b = sp.speculative_generate(target, draft, ids, 40, k=3, temperature=0.8, seed=5)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 40
@@ -83,7 +85,8 @@ def test_prompt_lookup_copies_repeated_code_and_keeps_greedy_tokens(pair):
               "    if shape.kind == 'square':\n        return shape.side * shape.side\n    return 0\n\n\n"
               "def perimeter(shape):\n    if shape.kind == 'circle':\n")
     want = lab.generate(target, tok, prompt, max_new_tokens=64, stop_at_eos=False).token_ids
-    out = sp.prompt_lookup_generate(target, torch.tensor([tok.encode(prompt)]), 64, k=6)
+    ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
+    out = sp.prompt_lookup_generate(target, ids, 64, k=6)
     assert out.token_ids == want
     assert out.tokens_per_pass > 1.5 and out.draft_forwards == 0
 
@@ -101,7 +104,7 @@ def test_formula_and_lookup():
 
 def test_bad_input_is_refused(pair, tiny):
     target, draft, tok = pair
-    ids = torch.tensor([tok.encode("x = 1")])
+    ids = torch.tensor([tok.encode("x = 1")], device=lab.get_device())
     with pytest.raises(ValueError, match="k must be"):
         sp.speculative_generate(target, draft, ids, 8, k=0)
     with pytest.raises(ValueError, match="temperature"):
