@@ -9,7 +9,6 @@ from .engine import Engine, EngineStats, RequestOutput
 from .device import HAS_CUDA, HAS_TRITON, default_dtype, get_device, synchronize
 from .generate import GenerationOutput, decode_one_token, generate, prefill, stream
 from .kernels.attention_ref import attention_reference, attention_tiled
-from .kernels.flash_attention import attention_path, flash_attention
 from .kv_cache import KVCache
 from .kv_quant import QuantizedKVCache
 from .loading import load_model
@@ -23,3 +22,11 @@ from .sampling import SamplingParams, logits_to_probs, sample
 from .speculative import expected_tokens_per_pass, prompt_lookup_generate, speculative_generate
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`lab.flash_attention` and `lab.attention_path` import Triton only when first used."""
+    if name in ("flash_attention", "attention_path"):
+        from .kernels import flash_attention as module
+        return getattr(module, name)
+    raise AttributeError(f"module 'infopt_lab' has no attribute {name!r}")

@@ -63,10 +63,6 @@ class SimResult:
     latency_steps: list[int]           # arrival -> last token, per request
     timeline: list[list[tuple[int, int, str]]] = field(repr=False, default_factory=list)  # (slot, id, kind) per step
 
-    @property
-    def tokens_per_step(self) -> float:
-        return sum(1 for step in self.timeline for *_, kind in step if kind != "padding") / max(self.steps, 1)
-
 
 def simulate(request_lengths: Sequence[int], batch_size: int, policy: str = "continuous",
              arrivals: Sequence[int] | None = None, prompt_lens: Sequence[int] | None = None,

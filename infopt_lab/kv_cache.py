@@ -97,7 +97,3 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Bytes held by the pool tensors."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.nbytes // self.num_blocks

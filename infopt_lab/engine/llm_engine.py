@@ -115,7 +115,7 @@ class LLMEngine:
         budget = max_num_batched_tokens or max(256, max_batch_size)
         if budget < max_batch_size:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_batch_size ({max_batch_size})")
-        self.policy, self.max_batch_size = scheduler, max_batch_size
+        self.max_batch_size = max_batch_size
         self.blocks = BlockManager(num_blocks, block_size)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
         self.scheduler = Scheduler(scheduler, self.blocks, max_batch_size, budget)
@@ -148,10 +148,10 @@ class LLMEngine:
         if batch.empty:
             return None
         rows = self._rows(batch)
-        logits = self.runner.run(batch)                     # (R, V)
+        logits = self.runner.run(batch)                     # (R, V): one row per chunk that samples
+        sampling = [c.seq for c in batch.chunks if c.samples]
         for chunk in batch.chunks:
             chunk.seq.num_computed += chunk.num_tokens
-        sampling = [c.seq for c in batch.chunks if c.seq.num_computed == c.seq.length]
         tokens = sample_fn(logits, sampling).tolist() if sampling else []
         synchronize(self.device)
         t = time.perf_counter() - stats.start

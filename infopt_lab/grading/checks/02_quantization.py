@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..protocol import Tensor
-from . import CheckFailed, check, expect_raises, short
+from . import CheckFailed, as_tensor, check, expect_raises, short
 
 HIDDEN_SEEDS = (11, 12)
 
@@ -27,17 +27,6 @@ def rand(shape, seed: int, spread: float = 1.0) -> list:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(*shape, generator=g) * (torch.rand(shape[0], 1, generator=g) * spread + 0.1)
     return w.tolist()
-
-
-def as_tensor(value, what: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """The returned value as a float64 tensor of the expected shape, or CheckFailed."""
-    try:
-        t = torch.tensor(value, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        raise CheckFailed(f"{what} returned {short(value)}, expected a tensor") from None
-    if shape is not None and tuple(t.shape) != shape:
-        raise CheckFailed(f"{what} has shape {tuple(t.shape)}, expected {shape}")
-    return t
 
 
 def parts(value, what: str, n: int) -> list:

@@ -117,8 +117,10 @@ def _reference_replay(num_blocks, block_size, ops) -> list[tuple[str | int, int]
     """Per op: the error name or the number of blocks the sequence holds, and num_free."""
     free, tokens = num_blocks, {}
     out = []
+
+    def blocks(num_tokens: int) -> int:
+        return -(-num_tokens // block_size)
     for op, seq, *n in ops:
-        blocks = lambda t: -(-t // block_size)  # noqa: E731
         if op == "allocate":
             if seq in tokens:
                 out.append(("ValueError", free))

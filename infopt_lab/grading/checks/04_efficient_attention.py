@@ -16,8 +16,9 @@ import math
 import torch
 
 from ...kernels.attention_ref import attention_reference
+from ...kernels.softmax import online_softmax_reference
 from ..protocol import Tensor
-from . import CheckFailed, check, expect_raises, short
+from . import CheckFailed, as_tensor, check, expect_raises, short
 
 
 def _values(shape, seed: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
@@ -25,36 +26,15 @@ def _values(shape, seed: int, scale: float = 1.0, shift: float = 0.0) -> torch.T
     return torch.randn(*shape, generator=g) * scale + shift
 
 
-def _as_tensor(value, what: str, shape: tuple[int, ...]) -> torch.Tensor:
-    try:
-        t = torch.tensor(value, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        raise CheckFailed(f"{what} returned {short(value)}, expected a tensor") from None
-    if tuple(t.shape) != shape:
-        raise CheckFailed(f"{what} has shape {tuple(t.shape)}, expected {shape}")
-    return t
-
-
-def _reference_trace(x: torch.Tensor, block: int) -> list[tuple[float, float]]:
-    xd, m, l, out = x.double(), float("-inf"), 0.0, []
-    for start in range(0, xd.numel(), block):
-        chunk = xd[start:start + block]
-        m_new = max(m, chunk.max().item())
-        l = l * math.exp(m - m_new) + torch.exp(chunk - m_new).sum().item()
-        m = m_new
-        out.append((m, l))
-    return out
-
-
 def _check_online(sub, x: torch.Tensor, block: int) -> None:
     what = f"online_softmax({short(x.tolist())}, {block})"
     got = sub.call("online_softmax", Tensor(x.tolist()), block)
     if not isinstance(got, list) or len(got) != 2:
         raise CheckFailed(f"{what} returned {short(got)}, expected (probs, trace)")
-    probs = _as_tensor(got[0], what, tuple(x.shape))
+    probs = as_tensor(got[0], what, tuple(x.shape))
     if not torch.allclose(probs, x.double().softmax(0), atol=1e-6, rtol=1e-5):
         raise CheckFailed(f"{what}: probabilities differ from softmax by {(probs - x.double().softmax(0)).abs().max():.2e}")
-    want = _reference_trace(x, block)
+    want = online_softmax_reference(x, block)[1]
     trace = got[1]
     if not isinstance(trace, list) or len(trace) != len(want):
         raise CheckFailed(f"{what}: trace has {len(trace) if isinstance(trace, list) else short(trace)} entries, "
@@ -89,7 +69,7 @@ def _check_tiled(sub, N: int, N_k: int, D: int, causal: bool, bm: int, bn: int, 
     q, k, v = _values((N, D), seed), _values((N_k, D), seed + 1), _values((N_k, D), seed + 2)
     want = attention_reference(q[None, None].double(), k[None, None].double(), v[None, None].double(), causal)[0, 0]
     what = f"tiled_attention(q [{N}, {D}], k/v [{N_k}, {D}], causal={causal}, block_m={bm}, block_n={bn})"
-    got = _as_tensor(sub.call("tiled_attention", Tensor(q.tolist()), Tensor(k.tolist()), Tensor(v.tolist()),
+    got = as_tensor(sub.call("tiled_attention", Tensor(q.tolist()), Tensor(k.tolist()), Tensor(v.tolist()),
                               causal, bm, bn), what, (N, D))
     err = (got - want).abs().max().item()
     if err > 1e-4:
@@ -113,7 +93,7 @@ def tiled_hidden(sub):
 def triton_notebook(sub):
     x = _values((4, 37), 0, 5.0)
     x[1] += 500
-    got = _as_tensor(sub.call("softmax_rows", Tensor(x.tolist()), 16), "softmax_rows(x [4, 37], 16)", (4, 37))
+    got = as_tensor(sub.call("softmax_rows", Tensor(x.tolist()), 16), "softmax_rows(x [4, 37], 16)", (4, 37))
     if (got - x.double().softmax(-1)).abs().max().item() > 1e-6:
         raise CheckFailed("softmax_rows(x [4, 37], 16) differs from torch.softmax")
 
@@ -124,7 +104,7 @@ def triton_hidden(sub):
              (_values((1, 100), 8, 30.0), 32)]
     for x, block in cases:
         what = f"softmax_rows(x {list(x.shape)}, {block})"
-        got = _as_tensor(sub.call("softmax_rows", Tensor(x.tolist()), block), what, tuple(x.shape))
+        got = as_tensor(sub.call("softmax_rows", Tensor(x.tolist()), block), what, tuple(x.shape))
         err = (got - x.double().softmax(-1)).abs().max().item()
         if err > 1e-6:
             raise CheckFailed(f"{what}: max error {err:.2e} against torch.softmax")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 
+from ...speculative import expected_tokens_per_pass, verify_greedy
 from . import CheckFailed, check, expect_close, expect_raises, short
 
 TRIALS = 8000
@@ -23,10 +24,7 @@ MAX_ACCEPT_GAP = 0.03
 
 
 def _greedy_case(sub, draft, argmax) -> None:
-    n = 0
-    while n < len(draft) and draft[n] == argmax[n]:
-        n += 1
-    want = draft[:n] + [argmax[n]]
+    want = verify_greedy(draft, argmax)[0]
     got = sub.call("verify_greedy", draft, argmax)
     if got != want:
         raise CheckFailed(f"verify_greedy({draft}, {argmax}) returned {short(got)}, expected {want}")
@@ -91,7 +89,7 @@ def sampling_hidden(sub):
 
 @check("expected_tokens_per_pass on the notebook's values", points=1)
 def formula_notebook(sub):
-    for alpha, k, want in [(0.0, 4, 1.0), (0.5, 2, 1.75), (0.8, 4, (1 - 0.8 ** 5) / 0.2), (1.0, 4, 5.0)]:
+    for alpha, k, want in [(0.0, 4, 1.0), (0.5, 2, 1.75), (0.8, 4, expected_tokens_per_pass(0.8, 4)), (1.0, 4, 5.0)]:
         expect_close(sub.call("expected_tokens_per_pass", alpha, k), want, f"expected_tokens_per_pass({alpha}, {k})",
                      rel=1e-9)
 
@@ -99,7 +97,7 @@ def formula_notebook(sub):
 @check("expected_tokens_per_pass on hidden values and its errors (ValueError)", points=2)
 def formula_hidden(sub):
     for alpha, k in [(0.3, 1), (0.95, 8), (0.999, 3), (0.62, 6), (1.0, 1)]:
-        want = float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        want = expected_tokens_per_pass(alpha, k)
         expect_close(sub.call("expected_tokens_per_pass", alpha, k), want, f"expected_tokens_per_pass({alpha}, {k})",
                      rel=1e-6)
     for args in [(1.2, 4), (-0.1, 4), (0.5, 0)]:

@@ -81,6 +81,18 @@ def as_int(value, what: str) -> int:
     return value
 
 
+def as_tensor(value, what: str, shape: tuple[int, ...] | None = None):
+    """The returned value as a float64 tensor (of the expected shape), or CheckFailed."""
+    import torch
+    try:
+        t = torch.tensor(value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise CheckFailed(f"{what} returned {short(value)}, expected a tensor") from None
+    if shape is not None and tuple(t.shape) != shape:
+        raise CheckFailed(f"{what} has shape {tuple(t.shape)}, expected {shape}")
+    return t
+
+
 def expect_close(value, expected: float, what: str, rel: float = 1e-6, abs_tol: float = 1e-9) -> None:
     """CheckFailed unless `value` is a number within tolerance of `expected`."""
     got = as_number(value, what)
