@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from .device import describe, triton_mode
 from .loading import ASSETS, BUNDLED
@@ -30,10 +31,12 @@ def run_doctor() -> int:
     info = describe()
     for key, value in info.items():
         print(f"{key:<8}: {value}")
-    mode = triton_mode()
-    if mode == "unavailable":
-        problems.append("triton is not installed: kernels fall back to their PyTorch references "
-                        "(expected on macOS and Windows)")
+    if triton_mode() == "unavailable":
+        if sys.platform.startswith("linux"):   # requirements.txt installs Triton on Linux
+            problems.append("triton is not installed: kernels fall back to their PyTorch references; "
+                            "run `pip install -r requirements.txt`")
+        else:
+            print(f"note    : no Triton on {sys.platform} (expected): kernels use their PyTorch references")
     lines, model_problems = _bundled_models()
     print("models  :")
     for line in lines:

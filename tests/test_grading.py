@@ -24,6 +24,7 @@ from infopt_lab.grading.grade import BadNotebook, GRADING_DIR, collect, grade, r
 from infopt_lab.grading.guard import FileGuard
 from infopt_lab.grading.kernel import Limits
 from infopt_lab.grading.protocol import NotDefined, ProtocolError, Tensor, encode_value, parse_reply
+from infopt_lab.grading.watchdog import MemoryWatchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "grading"
@@ -49,7 +50,7 @@ EXPECTED = {
                    "sample_top_k with k at": "ended the kernel", "sample_top_k follows": "ended the kernel"},
               "raised SystemExit: done for today"),
     "huge_output": (20, {}, "the rest of its output was dropped"),
-    "memory_hog": (20, {}, "raised MemoryError (the memory cap is 2048 MB)"),
+    "memory_hog": (20, {}, "went over the 2048 MB memory cap and was stopped; it was skipped"),
     "hard_coded": (7, {"weight_memory_gb on other": "weight_memory_gb(0, 4) returned 26.08, expected 0",
                        "memory_reduction": "memory_reduction(2, 1) returned 8, expected 2",
                        "time_to_first_token with": "returned 0.25, expected 0.8",
@@ -82,13 +83,35 @@ def fixture_reports():
     return reports
 
 
+# A class folder as the README describes it: one notebook per student, named by student id.
+# s00..s05 hand in the solution of each exercise; "ballast" hands in solution 00 holding 1.5 GB
+# (under the default 4096 MB cap); "nometa" hands in solution 00 with its exercise metadata removed.
+STUDENTS = {f"s{name[:2]}": name for name in available_exercises()}
+BALLAST = "ballast = torch.ones(1536 << 18)  # 1.5 GiB, touched\nassert ballast.sum().item() == 1536 << 18"
+
+
+def write_class(folder: Path) -> None:
+    """The class folder described above."""
+    folder.mkdir()
+    for student, name in STUDENTS.items():
+        shutil.copyfile(ROOT / "solutions" / f"{name}.ipynb", folder / f"{student}.ipynb")
+    nb = nbformat.read(ROOT / "solutions" / "00_orientation.ipynb", as_version=4)
+    at = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "import torch" in c.source)
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(BALLAST))
+    nbformat.write(nb, folder / "ballast.ipynb")
+    nb = nbformat.read(ROOT / "solutions" / "00_orientation.ipynb", as_version=4)
+    del nb.metadata["infopt_lab"]
+    nbformat.write(nb, folder / "nometa.ipynb")
+
+
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """`infopt-lab grade solutions exercises --json DIR --csv FILE` through the command line."""
+    """`infopt-lab grade CLASS exercises --json DIR --csv FILE` through the command line, default limits."""
     out = tmp_path_factory.mktemp("grade")
-    proc = subprocess.run([sys.executable, "-m", "infopt_lab.cli", "grade", "solutions", "exercises",
+    write_class(out / "class")
+    proc = subprocess.run([sys.executable, "-m", "infopt_lab.cli", "grade", str(out / "class"), "exercises",
                            "--json", str(out / "json"), "--csv", str(out / "class.csv")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     return proc, out
 
 
@@ -120,16 +143,25 @@ def test_tamper_cannot_escape(fixture_reports):
     assert any("re-ran the notebook" in n for n in notes)  # a kernel started after the launcher was deleted
 
 
-def test_solutions_full_marks_exercises_zero(cli_run):
+def test_class_folder_full_marks_exercises_zero(cli_run):
     proc, out = cli_run
-    assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    for name in available_exercises():
-        solution = json.loads((out / "json" / f"solutions__{name}.json").read_text())
-        exercise = json.loads((out / "json" / f"exercises__{name}.json").read_text())
-        assert solution["score"] == solution["max_score"] == exercise["max_score"] > 0
+    for student, name in [*STUDENTS.items(), ("ballast", "00_orientation")]:
+        solution = json.loads((out / "json" / f"{student}.json").read_text())
+        exercise = json.loads((out / "json" / f"{name}.json").read_text())
+        assert solution["score"] == solution["max_score"] == exercise["max_score"] > 0, solution["output"]
         assert exercise["score"] == 0
         assert all(t["output"].startswith("not implemented") for t in exercise["tests"])
+
+
+def test_unmatched_notebook_is_an_error_not_a_zero(cli_run):
+    proc, out = cli_run
+    assert proc.returncode == 1, proc.stderr
+    assert "1 submission(s) could not be graded: nometa" in proc.stderr
+    assert "nometa: ERROR: cannot tell which exercise nometa.ipynb answers" in proc.stdout
+    report = json.loads((out / "json" / "nometa.json").read_text())
+    assert report["tests"] == [] and "cannot tell which exercise" in report["extra_data"]["error"]
+    assert report["output"].startswith("nometa: ERROR:")
 
 
 def test_json_has_gradescope_shape(cli_run):
@@ -137,7 +169,8 @@ def test_json_has_gradescope_shape(cli_run):
     for path in sorted((out / "json").glob("*.json")):
         data = json.loads(path.read_text())
         assert isinstance(data["score"], (int, float)) and isinstance(data["max_score"], (int, float))
-        assert data["tests"] and data["score"] == sum(t["score"] for t in data["tests"])
+        assert data["score"] == sum(t["score"] for t in data["tests"])
+        assert data["tests"] or path.stem == "nometa"
         for test in data["tests"]:
             assert set(test) >= {"name", "score", "max_score", "status", "output"}
             assert test["status"] in {"passed", "failed"} and isinstance(test["output"], str)
@@ -150,11 +183,15 @@ def test_csv_has_one_row_per_submission(cli_run):
         rows = list(csv.reader(f))
     header, body = rows[0], rows[1:]
     names = available_exercises()
-    assert header[0] == "id" and header[-2:] == ["total", "max"]
-    assert len(header) == 3 + sum(len(load_checks(n)) for n in names)
-    assert [r[0] for r in body] == [f"{d}/{n}" for d in ("solutions", "exercises") for n in names]
+    assert header[0] == "id" and header[-3:] == ["total", "max", "error"]
+    assert len(header) == 4 + sum(len(load_checks(n)) for n in names)
+    ids = ["ballast", "nometa", *STUDENTS, *names]
+    assert [r[0] for r in body] == ids
     assert all(len(r) == len(header) for r in body)
-    assert [r[-2] == r[-1] for r in body] == [True] * len(names) + [False] * len(names)
+    by_id = {r[0]: r for r in body}
+    assert by_id["nometa"][-3:-1] == ["", ""] and "cannot tell which exercise" in by_id["nometa"][-1]
+    assert all(by_id[s][-3] == by_id[s][-2] != "" and by_id[s][-1] == "" for s in ["ballast", *STUDENTS])
+    assert all(by_id[n][-3] == "0" for n in names)
 
 
 def test_every_exercise_has_checks_solution_and_exercise():
@@ -256,3 +293,46 @@ def test_protocol_accepts_only_the_helpers_json():
         parse_reply({"user_expressions": {"r": {"data": {"text/plain": repr('{"defined": false}')}}}}, "f", 1)
     with pytest.raises(ValueError, match="must be positive"):
         Limits(cell_timeout=0)
+
+
+def test_assign_writes_missing_metadata_and_check_names_it(tmp_path, capsys):
+    solutions, exercises = tmp_path / "solutions", tmp_path / "exercises"
+    solutions.mkdir()
+    nb = nbformat.read(ROOT / "solutions" / "00_orientation.ipynb", as_version=4)
+    del nb.metadata["infopt_lab"]
+    nbformat.write(nb, solutions / "00_orientation.ipynb")
+    dirs = ["--solutions", str(solutions), "--exercises", str(exercises)]
+    assert run_cli("assign", "--check", *dirs) == 1
+    assert "metadata names exercise None, not '00_orientation'" in capsys.readouterr().err
+    assert run_cli("assign", *dirs) == 0 and run_cli("assign", "--check", *dirs) == 0
+    for folder in (solutions, exercises):
+        meta = nbformat.read(folder / "00_orientation.ipynb", as_version=4).metadata
+        assert meta["infopt_lab"] == {"exercise": "00_orientation"}
+
+
+def test_every_solution_and_exercise_names_its_exercise():
+    for folder in ("solutions", "exercises"):
+        for path in sorted((ROOT / folder).glob("*.ipynb")):
+            assert nbformat.read(path, as_version=4).metadata["infopt_lab"]["exercise"] == path.stem
+
+
+def test_watchdog_stops_a_process_past_the_cap_and_spares_one_under_it():
+    hog = "import time\nkept = []\nwhile True:\n    kept.append(bytearray(50_000_000))\n    time.sleep(0.01)"
+    calm = "import time\nkept = bytearray(100_000_000)\ntime.sleep(1.5)"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for code in (hog, calm)]
+    dogs = [MemoryWatchdog(p.pid, 512 << 20).start() for p in procs]
+    assert procs[0].wait(timeout=30) != 0 and dogs[0].tripped
+    assert procs[1].wait(timeout=30) == 0 and not dogs[1].tripped
+    assert 90 << 20 < dogs[1].peak_bytes < 512 << 20
+    for dog in dogs:
+        dog.stop()
+
+
+def test_every_notebook_opens_with_the_same_colab_setup_cell():
+    """Lecture, solution and exercise notebooks all install the course on Colab in their second cell."""
+    notebooks = [p for d in ("notebooks", "solutions", "exercises") for p in sorted((ROOT / d).glob("*.ipynb"))]
+    cells = {p.relative_to(ROOT).as_posix(): nbformat.read(p, as_version=4).cells[1] for p in notebooks}
+    reference = cells["notebooks/00_orientation.ipynb"].source
+    assert "google.colab" in reference and "pip" in reference
+    assert {name: c.source == reference and c.cell_type == "code" for name, c in cells.items()} == \
+        {name: True for name in cells}

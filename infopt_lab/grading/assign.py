@@ -4,6 +4,9 @@ nbgrader's markers, so instructors who know nbgrader feel at home. In code cells
 the region becomes `# YOUR CODE HERE` + `raise NotImplementedError()` at the
 marker's indentation; in markdown cells it becomes `YOUR ANSWER HERE`. Outputs,
 execution counts and execution metadata are stripped; everything else is kept.
+Both notebooks carry `metadata.infopt_lab.exercise` (the solution's file stem),
+which is how the grader knows what a renamed submission answers; `assign` writes
+it into a solution that lacks it.
 """
 from __future__ import annotations
 
@@ -55,6 +58,23 @@ def make_exercise(solution: nbformat.NotebookNode, name: str = "notebook") -> nb
     return nb
 
 
+def exercise_name(nb: nbformat.NotebookNode) -> str | None:
+    """The exercise a notebook declares in its metadata, or None."""
+    meta = nb.metadata.get("infopt_lab")
+    return meta.get("exercise") if isinstance(meta, dict) else None
+
+
+def tag_solution(path: Path) -> bool:
+    """Write `metadata.infopt_lab.exercise` into a solution notebook that lacks it; True if written."""
+    nb = nbformat.read(path, as_version=4)
+    if exercise_name(nb) == path.stem:
+        return False
+    meta = nb.metadata.get("infopt_lab")
+    nb.metadata["infopt_lab"] = {**(meta if isinstance(meta, dict) else {}), "exercise": path.stem}
+    nbformat.write(nb, path)
+    return True
+
+
 def exercise_text(solution_path: Path) -> str:
     """The exact file text `assign` writes for one solution notebook."""
     solution = nbformat.read(solution_path, as_version=4)
@@ -86,6 +106,8 @@ def assign(solutions: Path, exercises: Path) -> list[Path]:
     written = []
     exercises.mkdir(parents=True, exist_ok=True)
     for path in solution_files(solutions):
+        if tag_solution(path):
+            written.append(path)
         target = exercises / path.name
         target.write_bytes(exercise_text(path).encode("utf-8"))
         written.append(target)
@@ -97,6 +119,10 @@ def check(solutions: Path, exercises: Path) -> list[Problem]:
     problems = []
     sources = solution_files(solutions)
     for path in sources:
+        declared = exercise_name(nbformat.read(path, as_version=4))
+        if declared != path.stem:
+            problems.append(Problem(path, f"its metadata names exercise {declared!r}, not {path.stem!r}; "
+                                          "run `infopt-lab assign` to write it"))
         target = exercises / path.name
         if not target.exists():
             problems.append(Problem(target, f"missing; run `infopt-lab assign` to write it from {path}"))

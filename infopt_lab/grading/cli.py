@@ -39,9 +39,8 @@ def _cmd_grade(args) -> int:
     except (GraderError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not sys.platform.startswith("linux"):
-        print(f"warning: the kernel memory and file-size caps apply on Linux only; this is {sys.platform}",
-              file=sys.stderr)
+    if sys.platform == "win32":
+        print("warning: the file-size cap does not apply on Windows", file=sys.stderr)
     if not reports:
         print("no notebooks found under " + " ".join(map(str, args.paths)), file=sys.stderr)
     for report in reports:
@@ -56,6 +55,10 @@ def _cmd_grade(args) -> int:
     if args.csv:
         write_csv(reports, args.csv)
         print(f"wrote {args.csv} ({len(reports)} rows)")
+    errors = [r.id for r in reports if r.error]
+    if errors:
+        print(f"error: {len(errors)} submission(s) could not be graded: {', '.join(errors)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -78,7 +81,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                         "(default 300)")
     p.add_argument("--check-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="time limit per check (default 10)")
-    p.add_argument("--memory-mb", type=int, default=4096, help="memory cap of a submission's kernel (default 4096)")
+    p.add_argument("--memory-mb", type=int, default=4096, help="resident memory cap of a submission's kernel and its child processes, in MB (default 4096)")
     p.add_argument("--exercise", help="grade every notebook as this exercise, e.g. 00_orientation")
     p.add_argument("--quiet", action="store_true", help="print totals only, no progress bar")
     p.set_defaults(func=_cmd_grade)

@@ -180,6 +180,18 @@ def cell_label(nb, index: int) -> str:
     return f"cell {index + 1} `{first if len(first) <= 40 else first[:37] + '...'}`"
 
 
+def error_report(sub: SubmissionFile, reason: str) -> SubmissionReport:
+    """A submission that could not be graded at all: no scores, an error with the reason."""
+    return SubmissionReport(sub.id, str(sub.path), None, error=reason)
+
+
+def unmatched_reason(path: Path) -> str:
+    """Why a notebook could not be matched to an exercise, and how to fix it."""
+    return (f"cannot tell which exercise {path.name} answers: its metadata has no infopt_lab.exercise and its "
+            f"file name names none; hand in the exercise notebook as given, or pass --exercise "
+            f"(known: {', '.join(available_exercises())})")
+
+
 def failed_report(sub: SubmissionFile, exercise: str | None, checks: list[Check],
                   reason: str) -> SubmissionReport:
     """A report with every check at 0 for the same reason."""
@@ -195,11 +207,12 @@ def grade_one(sub: SubmissionFile, workdir: Path, limits: Limits, checks: dict[s
         nb = read_notebook(sub.path)
     except BadNotebook as e:
         exercise = identify_exercise(sub.path, None, forced)
-        return failed_report(sub, exercise, checks.get(exercise, []), str(e))
+        if exercise is None:
+            return error_report(sub, f"{e}; and {unmatched_reason(sub.path)}")
+        return failed_report(sub, exercise, checks[exercise], str(e))
     exercise = identify_exercise(sub.path, nb, forced)
     if exercise is None:
-        return failed_report(sub, None, [], "cannot tell which exercise this answers; name the file after it "
-                             f"or pass --exercise (known: {', '.join(available_exercises())})")
+        return error_report(sub, unmatched_reason(sub.path))
     workdir.mkdir()
     shutil.copyfile(sub.path, workdir / sub.path.name)
     report = SubmissionReport(sub.id, str(sub.path), exercise)
@@ -236,8 +249,8 @@ def grade(paths: list[Path], limits: Limits | None = None, exercise: str | None 
             except GraderError:
                 raise
             except Exception as e:  # a grader bug must not cost the rest of the class their grades
-                report = failed_report(sub, None, [], f"the grader failed on this submission "
-                                                      f"({type(e).__name__}: {e}); please report it")
+                report = error_report(sub, f"the grader failed on this submission ({type(e).__name__}: {e}); "
+                                           "please report it")
             finally:
                 tampered = guard.restore()
                 escaped = outside_writes(workroot, workroot / "submission")

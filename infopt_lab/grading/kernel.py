@@ -1,8 +1,9 @@
 """A submission's kernel: started fresh under limits, run cell by cell, then called through the protocol.
 
 The kernel is a child process with its own working directory and HOME (the
-submission's temporary directory), an address-space cap, a file-size cap and a
-scrubbed environment. Its command line is built here, from source read when this
+submission's temporary directory), a file-size cap and a scrubbed environment;
+a watchdog in the grader stops it when its resident memory passes the cap
+(`watchdog.py`). Its command line is built here, from source read when this
 module was imported, so nothing a submission writes to disk changes how the next
 kernel starts. Output it prints is capped twice: zmq refuses any message over
 `MAX_MESSAGE_BYTES`, and the executor keeps at most `Limits.output_kb` of it.
@@ -30,6 +31,7 @@ from nbformat.v4 import new_output
 from traitlets import Instance, Integer
 
 from .protocol import KernelLost, Raised, TimedOut, describe_call, make_request, parse_reply
+from .watchdog import MemoryWatchdog
 
 # Read once, when the grader imports this module, before any submission runs.
 LAUNCHER_SOURCE = Path(__file__).with_name("kernel_launcher.py").read_text(encoding="utf-8")
@@ -37,7 +39,7 @@ MAX_MESSAGE_BYTES = 4 << 20  # zmq drops (never buffers) any single kernel messa
 MAX_QUEUED_MESSAGES = 64  # and queues at most this many unread ones per socket
 MAX_KERNEL_STARTS = 20  # first start plus restarts after crashes and hangs, per submission
 GRACE_S = 3.0  # how long an interrupted kernel gets to answer again
-MIN_MEMORY_MB = 1024
+MIN_MEMORY_MB = 1024  # importing torch alone holds about 300 MB
 TIMEOUT_ENAME = "GraderTimeout"
 DROPPED = "[grader: further output dropped]"  # also written by the kernel launcher's own cap
 PASS_THROUGH_ENV = ("LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "SYSTEMROOT", "WINDIR", "COMSPEC", "PATHEXT")
@@ -54,7 +56,7 @@ class Limits:
     cell_timeout: float = 30.0  # seconds one cell may run
     notebook_timeout: float = 300.0  # seconds for starting kernels and running cells, re-runs included
     check_timeout: float = 10.0  # seconds one check (all its calls) may run
-    memory_mb: int = 4096  # address-space cap of the kernel process
+    memory_mb: int = 4096  # resident memory of the kernel and its children; past it, they are killed
     output_kb: int = 1024  # printed output kept per submission; the rest is dropped
     file_mb: int = 64  # largest file the kernel may write
 
@@ -63,8 +65,8 @@ class Limits:
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.memory_mb < MIN_MEMORY_MB:
-            raise ValueError(f"memory_mb must be at least {MIN_MEMORY_MB} (a kernel that imports torch needs "
-                             f"about 800 MB of address space), got {self.memory_mb}")
+            raise ValueError(f"memory_mb must be at least {MIN_MEMORY_MB} (a kernel that imports torch holds "
+                             f"about 300 MB), got {self.memory_mb}")
 
 
 class SandboxKernelManager(AsyncKernelManager):
@@ -130,8 +132,7 @@ def kernel_env(workdir: Path) -> dict[str, str]:
 
 def sandbox_spec(limits: Limits) -> KernelSpec:
     """The kernel command: this interpreter, isolated mode, the launcher's source inline."""
-    argv = [sys.executable, "-I", "-c", LAUNCHER_SOURCE,
-            str(limits.memory_mb << 20), str(limits.file_mb << 20), str(limits.output_kb << 10),
+    argv = [sys.executable, "-I", "-c", LAUNCHER_SOURCE, str(limits.file_mb << 20), str(limits.output_kb << 10),
             "-f", "{connection_file}"]
     return KernelSpec(argv=argv, display_name="infopt-lab grader", language="python", interrupt_mode="signal")
 
@@ -146,6 +147,7 @@ class KernelSession:
         self.km: SandboxKernelManager | None = None
         self.client: CappedClient | None = None
         self.ctx: zmq.asyncio.Context | None = None
+        self.watchdog: MemoryWatchdog | None = None
         self.skip: set[int] = set()  # cells that ended or hung the kernel; left out of re-runs
         self.cell_notes: dict[int, str] = {}  # cell index -> what went wrong there, from the first run
         self.notes: list[str] = []  # restarts and other events, one line each
@@ -202,6 +204,7 @@ class KernelSession:
             await self.client.async_start_new_kernel(
                 cwd=str(self.workdir), env=kernel_env(self.workdir),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.watchdog = MemoryWatchdog(self.km.provisioner.process.pid, self.limits.memory_mb << 20).start()
             await self.client.async_start_new_kernel_client()
         except Exception as e:  # the first start fails only when the environment is broken
             reason = f"{type(e).__name__}: {e}"
@@ -218,10 +221,18 @@ class KernelSession:
                 self.client.kc.stop_channels()
         if self.km is not None and self.km.has_kernel:
             await self.km.shutdown_kernel(now=True)
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.ctx is not None:
             self.ctx.destroy(linger=0)
-        self.km = self.client = self.ctx = None
+        self.km = self.client = self.ctx = self.watchdog = None
         self.healthy = False
+
+    def lost_reason(self) -> str:
+        """Why the kernel ended: the memory cap when the watchdog stopped it, else the usual suspects."""
+        if self.watchdog is not None and self.watchdog.tripped:
+            return f"went over the {self.limits.memory_mb} MB memory cap and was stopped"
+        return "ended the kernel (os._exit, a crash)"
 
     async def _execute(self, first_run: bool = True) -> None:
         """Start a kernel and run all cells; on a lost kernel, skip that cell and run again."""
@@ -249,8 +260,7 @@ class KernelSession:
             try:
                 await self.client.async_execute_cell(cell, index, execution_count=index + 1)
             except DeadKernelError:
-                self.cell_notes.setdefault(index, "ended the kernel (os._exit, a crash, or the "
-                                                  f"{self.limits.memory_mb} MB memory cap); it was skipped")
+                self.cell_notes.setdefault(index, f"{self.lost_reason()}; it was skipped")
                 return index
             except Exception as e:  # zmq or protocol trouble: the kernel is no longer usable
                 self.cell_notes.setdefault(index, f"lost the kernel ({type(e).__name__}: {e}); it was skipped")
@@ -333,7 +343,8 @@ class KernelSession:
                 raise TimedOut(f"{what} ran past the check's {self.limits.check_timeout:g} s time limit")
         except KernelLost:
             self.healthy = False
-            raise KernelLost(f"the kernel died while running {what}") from None
+            why = " (it went over the memory cap)" if self.watchdog and self.watchdog.tripped else ""
+            raise KernelLost(f"the kernel died while running {what}{why}") from None
         content = reply["content"]
         if content.get("status") != "ok":
             ename = content.get("ename", "Error")

@@ -32,6 +32,7 @@ class SubmissionReport:
     results: list[CheckResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what happened while running it, one line each
     seconds: float = 0.0
+    error: str | None = None  # set when it could not be graded at all (no exercise matched, a grader bug)
 
     @property
     def score(self) -> float:
@@ -45,13 +46,18 @@ class SubmissionReport:
         """The results.json shape Gradescope reads: score, max_score, tests[name, score, max_score, status, output]."""
         tests = [{"name": r.name, "score": r.score, "max_score": r.max_score,
                   "status": "passed" if r.passed else "failed", "output": r.reason} for r in self.results]
-        output = "\n".join([f"{self.id}: {self.score:g}/{self.max_score:g}"] + self.notes)
-        return {"score": self.score, "max_score": self.max_score, "execution_time": round(self.seconds, 1),
-                "output": output, "tests": tests}
+        head = f"{self.id}: ERROR: {self.error}" if self.error else f"{self.id}: {self.score:g}/{self.max_score:g}"
+        result = {"score": self.score, "max_score": self.max_score, "execution_time": round(self.seconds, 1),
+                  "output": "\n".join([head] + self.notes), "tests": tests}
+        if self.error:
+            result["extra_data"] = {"error": self.error}
+        return result
 
     def summary(self, verbose: bool = True) -> str:
         """Lines for the terminal: the total, then each check with its reason."""
-        lines = [f"{self.id} ({self.exercise or 'unknown exercise'}): {self.score:g}/{self.max_score:g}"]
+        if self.error:
+            return "\n".join([f"{self.id}: ERROR: {self.error}"] + [f"  note: {n}" for n in self.notes])
+        lines = [f"{self.id} ({self.exercise}): {self.score:g}/{self.max_score:g}"]
         if verbose:
             lines += [f"  note: {n}" for n in self.notes]
             lines += [f"  [{r.score:g}/{r.max_score:g}] {r.name}: {r.reason}" for r in self.results]
@@ -81,7 +87,7 @@ def write_json(reports: list[SubmissionReport], path: Path) -> list[Path]:
 
 def csv_columns(reports: list[SubmissionReport]) -> list[str]:
     """Check columns in first-seen order, prefixed by exercise when several exercises are mixed."""
-    mixed = len({r.exercise for r in reports}) > 1
+    mixed = len({r.exercise for r in reports if not r.error}) > 1
     columns: list[str] = []
     for report in reports:
         for result in report.results:
@@ -92,17 +98,18 @@ def csv_columns(reports: list[SubmissionReport]) -> list[str]:
 
 
 def write_csv(reports: list[SubmissionReport], path: Path) -> None:
-    """One row per submission: id, each check's score, total, max."""
+    """One row per submission: id, each check's score, total, max, error (empty when it was graded)."""
     columns = csv_columns(reports)
-    mixed = len({r.exercise for r in reports}) > 1
+    mixed = len({r.exercise for r in reports if not r.error}) > 1
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["id", *columns, "total", "max"])
+        writer.writerow(["id", *columns, "total", "max", "error"])
         for report in reports:
             scores = {(f"{report.exercise}: {r.name}" if mixed else r.name): r.score for r in report.results}
+            totals = ["", ""] if report.error else [fmt(report.score), fmt(report.max_score)]
             writer.writerow([report.id, *(fmt(scores[c]) if c in scores else "" for c in columns),
-                             fmt(report.score), fmt(report.max_score)])
+                             *totals, report.error or ""])
 
 
 def fmt(x: float) -> str:

@@ -8,8 +8,12 @@ fixed block sizes.
 """
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import sys
+import textwrap
+from types import ModuleType
 
 from ..device import HAS_CUDA, HAS_TRITON
 
@@ -25,3 +29,13 @@ def require_interpreter() -> None:
         raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
                            "on this CPU: `import infopt_lab` before anything that imports triton "
                            "(transformers, torch.compile), or start Python with TRITON_INTERPRET=1")
+
+
+def kernel_source(module: ModuleType, name: str) -> str:
+    """The source of kernel `name` in `module`, decorator included; read from the file, so it needs no Triton."""
+    source = inspect.getsource(module)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            return textwrap.dedent("\n".join(source.splitlines()[first - 1:node.end_lineno]))
+    raise ValueError(f"{module.__name__} defines no function named {name!r}")

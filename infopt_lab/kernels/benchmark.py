@@ -60,11 +60,12 @@ def time_attention(impls: dict, N: int, B: int = 4, H: int = 16, D: int = 128, c
 
 
 def gpu_contenders() -> dict:
-    """Ours, PyTorch SDPA and naive attention, as (q, k, v, causal) -> out."""
+    """Ours (where Triton is installed), PyTorch SDPA and naive attention, as (q, k, v, causal) -> out."""
+    from ..device import HAS_TRITON
     from .attention_ref import attention_reference
     from .flash_attention import flash_attention_triton
-    return {"ours (Triton)": flash_attention_triton,
-            "PyTorch SDPA": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+    ours = {"ours (Triton)": flash_attention_triton} if HAS_TRITON else {}   # a CUDA machine without Triton: Windows
+    return {**ours, "PyTorch SDPA": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
             "naive": attention_reference}
 
 
