@@ -191,7 +191,7 @@ class PolicyRun:
     wall_s: float
     token_ids: list[list[int]]
     stats: object = None                  # EngineStats for our engine, None for transformers
-    latency_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
 
 
@@ -204,9 +204,9 @@ def compare_policies(model, tok, prompts: Sequence[str], lengths: Sequence[int],
     for policy in ("continuous", "static"):
         engine = Engine(model, tok, scheduler=policy, max_batch_size=max_batch_size)
         outs = engine.generate(prompts, max_new_tokens=list(lengths), arrival_s=arrival_s, stop_at_eos=False)
-        runs[policy] = PolicyRun(policy, engine.stats.throughput_tok_s, engine.stats.wall_s,
-                                 [o.token_ids for o in outs], engine.stats,
-                                 [o.latency_s for o in outs], [o.ttft_s for o in outs])
+        runs[policy] = PolicyRun(policy, outs.stats.throughput_tok_s, outs.stats.wall_s,
+                                 [o.token_ids for o in outs], outs.stats,
+                                 [o.e2e_s for o in outs], [o.ttft_s for o in outs])
     if hf_model is not None:
         ids = [tok.encode(p) for p in prompts]
         token_ids, wall = transformers_batched_generate(hf_model, ids, lengths, max_batch_size, pad_id=0)

@@ -13,7 +13,8 @@ import torch
 
 from .device import get_device, synchronize
 from .loading import load_model, resolve_model_dir
-from .metrics import measure_bandwidth_gbs, model_weight_bytes, time_fn
+from .metrics import model_weight_bytes
+from .timing import measure_bandwidth_gbs, time_interleaved
 
 DEFAULT_PROMPT = "import os\n\n\ndef walk_files(root):\n    "
 
@@ -58,9 +59,9 @@ def bench_decode(model_name: str = "target", new_tokens: int = 128, repeats: int
             return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
 
-    ours(), theirs()                                           # warm-up: allocator, kernels, caches
-    t_ours = time_fn(ours, repeats=repeats, warmup=0, device=device)
-    t_hf = time_fn(theirs, repeats=repeats, warmup=0, device=device)
+    # in turn (ours, theirs, ours, ...) after a warm-up round: allocator, kernels, caches
+    t = time_interleaved({"ours": ours, "theirs": theirs}, repeats=repeats, warmup=1, device=device)
+    t_ours, t_hf = t["ours"], t["theirs"]
     same = ours().token_ids == theirs()[0, n_prompt:].tolist()
     out = ours()                                               # for TTFT and TPOT
 
@@ -145,7 +146,8 @@ def timed_greedy(model, input_ids: torch.Tensor, new_tokens: int,
     tokens, times = [], []
     synchronize(device)
     start = time.perf_counter()
-    for token in generate_tokens(model, input_ids, new_tokens, SamplingParams(temperature=0.0), use_cache):
+    params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
+    for token in generate_tokens(model, input_ids, params, use_cache):
         synchronize(device)
         times.append(time.perf_counter() - start)
         tokens.append(int(token[0]))
@@ -239,7 +241,7 @@ def bench_batching(model_name: str = "target", n_requests: int = 64, max_batch_s
                       f"{max(len(tok.encode(p)) for p in prompts)} tokens, outputs {min(lengths)}-{max(lengths)} "
                       f"tokens (median {sorted(lengths)[len(lengths) // 2]}), max_batch_size {max_batch_size}")
     for run in (cont, static):
-        s, lat = run.stats, percentiles(run.latency_s, (50, 99))
+        s, lat = run.stats, percentiles(run.e2e_s, (50, 99))
         r.add(f"{run.name}", f"{run.throughput_tok_s:.1f} tok/s, utilization {s.utilization:.1%}, "
                              f"{s.steps} steps, latency p50 {lat['p50']:.2f} s / p99 {lat['p99']:.2f} s")
     r.add("transformers padded generate", f"{hf_run.throughput_tok_s:.1f} tok/s")

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass
 class ModelConfig:
+    """A Llama-style decoder's shape: widths, heads, layers, context, RoPE and norm settings (HF-compatible)."""
+
     vocab_size: int = 4096          # tokenizer size (byte-level BPE)
     dim: int = 256                  # residual stream width C
     n_layers: int = 4               # transformer blocks

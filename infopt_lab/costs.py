@@ -11,17 +11,15 @@ fuses them into the products). Shapes: B batch, T new tokens, S cached positions
 
 The roofline turns a cost into a time: a pass can go no faster than its FLOPs at
 the device's peak FLOP/s, nor than its bytes at the device's memory bandwidth.
+Everything here is arithmetic on given numbers; measuring a device or timing a
+pass is `timing.py`'s (`measure_roofline`, `time_prefill`, `time_decode_step`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-import torch
-
 from .config import ModelConfig
-from .device import default_dtype, get_device
-from .metrics import time_fn
 
 
 def _positive_int(name: str, value) -> int:
@@ -178,56 +176,3 @@ class Roofline:
     def bound(self, cost: ForwardCost) -> str:
         """'memory' or 'compute': which side of the ridge the pass sits on."""
         return "compute" if cost.intensity >= self.ridge else "memory"
-
-
-def measure_matmul_flops(n: int | None = None, dtype: torch.dtype | None = None,
-                         device: torch.device | str | None = None, repeats: int = 5) -> float:
-    """Measured FLOP/s of a square n x n matrix product: the device's practical compute peak."""
-    device = torch.device(device) if device is not None else get_device()
-    dtype = dtype or default_dtype(device)
-    n = n or (4096 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    seconds = time_fn(lambda: a @ b, repeats=repeats, warmup=2, device=device)
-    return 2 * n ** 3 / seconds
-
-
-def measure_roofline(device: torch.device | str | None = None) -> Roofline:
-    """Peak FLOP/s from a matrix product and bandwidth from a large copy, on this device."""
-    from .metrics import measure_bandwidth_gbs
-    return Roofline(peak_flops=measure_matmul_flops(device=device),
-                    bandwidth=measure_bandwidth_gbs(device=device) * 1e9)
-
-
-# -- the same passes, timed on a real model ------------------------------------------------
-def _random_ids(model, batch_size: int, length: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(model.config.vocab_size, (batch_size, length), generator=g)
-    return ids.to(next(model.parameters()).device)                   # (B, T)
-
-
-@torch.inference_mode()
-def time_prefill(model, prompt_len: int, batch_size: int = 1, repeats: int = 3) -> float:
-    """Median seconds of one prefill of `prompt_len` random tokens per sequence, cache included."""
-    from .generate import prefill
-    from .kv_cache import KVCache
-    ids = _random_ids(model, _positive_int("batch_size", batch_size), _positive_int("prompt_len", prompt_len))
-    cache = KVCache.for_model(model, batch_size, prompt_len)
-    return time_fn(lambda: prefill(model, ids, cache), repeats=repeats, warmup=1, device=ids.device)
-
-
-@torch.inference_mode()
-def time_decode_step(model, batch_size: int = 1, context_len: int = 32, steps: int = 16,
-                     repeats: int = 3) -> float:
-    """Median seconds of one decode step (batch_size new tokens) after `context_len` cached positions."""
-    from .generate import decode_one_token, prefill
-    from .kv_cache import KVCache
-    ids = _random_ids(model, _positive_int("batch_size", batch_size), _positive_int("context_len", context_len))
-    cache = KVCache.for_model(model, batch_size, context_len + _positive_int("steps", steps))
-    token = prefill(model, ids, cache).argmax(-1, keepdim=True)                      # (B, 1)
-
-    def run_steps():
-        for i in range(steps):    # the same positions every repeat: the cache is overwritten in place
-            decode_one_token(model, token, context_len + i, cache)
-
-    return time_fn(run_steps, repeats=repeats, warmup=1, device=ids.device) / steps

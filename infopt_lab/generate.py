@@ -1,13 +1,15 @@
-"""Generation: prefill the prompt, then decode one token at a time.
+"""Generation: prefill the prompt, then decode one token at a time; the package's one decode loop.
 
 With a KV cache, prefill writes the prompt's keys and values once and each
 decode step feeds only the newest token. Without one, every step runs the model
 over the whole sequence again: the recomputation notebook 01 measures.
+`Decoder` (a model, its cache and how many positions the cache holds) is the
+piece speculative decoding shares: it feeds several tokens at once and rolls back.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -16,23 +18,21 @@ from torch import Tensor
 from .device import synchronize
 from .kv_cache import KVCache
 from .metrics import request_metrics
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, check_request, make_generator, sample, sampling_params
 
 
 @dataclass
 class GenerationOutput:
+    """One completed request: its text and tokens, and its latency figures (metrics.py's definitions)."""
+
     text: str                        # the decoded new tokens
     token_ids: list[int]             # the new tokens
     prompt_ids: list[int]            # the prompt as tokenized
     ttft_s: float                    # time to first token: prompt in -> first new token out
     tpot_s: float                    # time per output token after the first (mean inter-token latency)
     e2e_s: float                     # end-to-end latency of the whole request
+    tokens_per_s: float              # new tokens / end-to-end latency
     token_times_s: list[float] = field(default_factory=list)  # when each token was ready, from the start
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Decode speed: new tokens after the first, per second (1 / TPOT)."""
-        return 1.0 / self.tpot_s if self.tpot_s > 0 else float("nan")
 
     @property
     def itl_s(self) -> list[float]:
@@ -41,57 +41,70 @@ class GenerationOutput:
         return [b - a for a, b in zip(t, t[1:])]
 
 
+class Decoder:
+    """A model, its KV cache, and how many positions the cache holds: feed tokens, get logits, roll back."""
+
+    def __init__(self, model, batch_size: int, capacity: int, cache_factory: Callable = KVCache.for_model):
+        self.model, self.cache = model, cache_factory(model, batch_size, capacity)
+        self.device = next(model.parameters()).device
+        self.pos = 0                  # positions written so far
+        self.forwards = 0             # model calls made
+
+    @torch.inference_mode()
+    def feed(self, tokens: Tensor) -> Tensor:
+        """Append tokens [B, T] at the current position; their logits [B, T, V]."""
+        T = tokens.shape[1]
+        input_pos = torch.arange(self.pos, self.pos + T, device=self.device)
+        self.pos += T
+        self.forwards += 1
+        return self.model(tokens, input_pos, self.cache)
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n positions: later writes overwrite them and attention never reads them."""
+        self.pos -= n
+
+
 @torch.inference_mode()
-def prefill(model, input_ids: Tensor, cache: KVCache | None) -> Tensor:
+def prefill(model, input_ids: Tensor, cache) -> Tensor:
     """Run the prompt [B, T] through the model; logits of its last position [B, V]."""
     input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
     return model(input_ids, input_pos, cache)[:, -1]
 
 
 @torch.inference_mode()
-def decode_one_token(model, token: Tensor, pos: int, cache: KVCache) -> Tensor:
+def decode_one_token(model, token: Tensor, pos: int, cache) -> Tensor:
     """Feed one token per sequence [B, 1] at position `pos`; next-token logits [B, V]."""
     input_pos = torch.tensor([pos], device=token.device)
     return model(token, input_pos, cache)[:, -1]
 
 
-def check_request(model, n_prompt: int, max_new_tokens: int) -> None:
-    """Raise ValueError when a request cannot fit the model's context."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if n_prompt < 1:
-        raise ValueError("the prompt is empty: give at least one token")
-    context = model.config.max_seq_len
-    if n_prompt + max_new_tokens > context:
-        raise ValueError(f"prompt of {n_prompt} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                         f"model's context of {context} tokens; shorten the prompt or ask for at most "
-                         f"{max(0, context - n_prompt)} new tokens")
-
-
 @torch.inference_mode()
-def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, params: SamplingParams,
-                    use_cache: bool = True, eos_id: int | None = None) -> Iterator[Tensor]:
-    """Yield the next token of every sequence [B], one step at a time."""
+def generate_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache: bool = True,
+                    eos_id: int | None = None, cache_factory: Callable = KVCache.for_model) -> Iterator[Tensor]:
+    """Yield the next token of every sequence [B], one step at a time (a single sequence stops at a stop id)."""
     B, T = input_ids.shape
-    check_request(model, T, max_new_tokens)
+    for row in input_ids.tolist():
+        check_request(row, params, model.config)
+    stops = params.stop_ids(eos_id)
     generator = make_generator(params.seed, input_ids.device)
-    cache = KVCache.for_model(model, B, T + max_new_tokens) if use_cache else None
+    decoder = Decoder(model, B, T + params.max_new_tokens, cache_factory) if use_cache else None
     seq = input_ids
-    logits = prefill(model, input_ids, cache)
-    for i in range(max_new_tokens):
-        token = sample(logits, params, generator)                     # (B,)
+    logits = (decoder.feed(input_ids) if use_cache else model(input_ids))[:, -1]   # (B, V)
+    for i in range(params.max_new_tokens):
+        token = sample(logits, params, generator)                      # (B,)
         yield token
-        # a single sequence may stop at EOS; a batch runs to max_new_tokens (the engine retires rows)
-        if i == max_new_tokens - 1 or (eos_id is not None and B == 1 and int(token) == eos_id):
+        # a single sequence may stop early; a batch runs to max_new_tokens (the engine retires rows)
+        if i == params.max_new_tokens - 1 or (B == 1 and int(token) in stops):
             return
         if use_cache:
-            logits = decode_one_token(model, token[:, None], T + i, cache)
+            logits = decoder.feed(token[:, None])[:, -1]
         else:
-            seq = torch.cat([seq, token[:, None]], dim=1)             # (B, T + i + 1)
-            logits = model(seq)[:, -1]                                # recompute everything
+            seq = torch.cat([seq, token[:, None]], dim=1)              # (B, T + i + 1)
+            logits = model(seq)[:, -1]                                 # recompute everything
 
 
-def _encode(model, tok, prompt: str) -> Tensor:
+def encode_prompt(model, tok, prompt: str) -> Tensor:
+    """A text prompt as token ids [1, T] on the model's device (the tokenizer adds BOS)."""
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
     if not prompt:
@@ -101,37 +114,32 @@ def _encode(model, tok, prompt: str) -> Tensor:
     return torch.tensor([ids], dtype=torch.long, device=device)
 
 
-def generate(model, tok, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-             seed: int | None = 0, stop_at_eos: bool = True) -> GenerationOutput:
-    """Complete one prompt and time it: text, token ids, TTFT, TPOT, tokens/s."""
-    params = SamplingParams(temperature, top_k, top_p, seed)
-    input_ids = _encode(model, tok, prompt)
+def generate(model, tok, prompt: str, params: SamplingParams | None = None, *, use_cache: bool = True,
+             **overrides) -> GenerationOutput:
+    """Complete one prompt and time it: text, tokens, TTFT, TPOT, tokens/s. Keyword overrides: SamplingParams fields."""
+    params = sampling_params(params, **overrides)
+    input_ids = encode_prompt(model, tok, prompt)
     device = input_ids.device
-    eos = tok.eos_token_id if stop_at_eos else None
     synchronize(device)
     start = time.perf_counter()
     new, times = [], []
-    for token in generate_tokens(model, input_ids, max_new_tokens, params, use_cache, eos):
+    for token in generate_tokens(model, input_ids, params, use_cache, tok.eos_token_id):
         synchronize(device)
         times.append(time.perf_counter() - start)
         new.append(int(token))
     m = request_metrics(0.0, times)
     return GenerationOutput(text=tok.decode(new, skip_special_tokens=True), token_ids=new,
                             prompt_ids=input_ids[0].tolist(), ttft_s=m.ttft_s, tpot_s=m.tpot_s,
-                            e2e_s=m.e2e_s, token_times_s=times)
+                            e2e_s=m.e2e_s, tokens_per_s=m.tokens_per_s, token_times_s=times)
 
 
-def stream(model, tok, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
-           top_k: int | None = None, top_p: float | None = None, seed: int | None = 0,
-           stop_at_eos: bool = True) -> Iterator[str]:
-    """Yield the completion's text piece by piece as tokens are decoded."""
-    params = SamplingParams(temperature, top_k, top_p, seed)
-    input_ids = _encode(model, tok, prompt)
-    eos = tok.eos_token_id if stop_at_eos else None
+def stream(model, tok, prompt: str, params: SamplingParams | None = None, **overrides) -> Iterator[str]:
+    """Yield the completion's text piece by piece as tokens are decoded. Keyword overrides: SamplingParams fields."""
+    params = sampling_params(params, **overrides)
+    input_ids = encode_prompt(model, tok, prompt)
     new: list[int] = []
     shown = ""
-    for token in generate_tokens(model, input_ids, max_new_tokens, params, True, eos):
+    for token in generate_tokens(model, input_ids, params, True, tok.eos_token_id):
         new.append(int(token))
         text = tok.decode(new, skip_special_tokens=True)
         if not text.endswith("\ufffd"):          # wait for the rest of a multi-byte character

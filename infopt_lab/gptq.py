@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .quantize import QuantLinear, pack_int4, quantize_asymmetric, quantize_model
+from .quant_format import pack_int4
+from .quantize import QuantLinear, quantize_asymmetric, quantize_model
 
 
 def calibration_ids(tok, n_sequences: int = 16, seq_len: int = 512, seed: int = 0) -> Tensor:

@@ -1,9 +1,16 @@
-"""The KV cache: keys and values of past tokens, kept so decoding never recomputes them."""
+"""The KV cache: keys and values of past tokens, kept so decoding never recomputes them.
+
+Every cache the model can be handed implements `attend(layer, q, k, v, input_pos)`
+(see `attention.py`). The contiguous caches (this float one and the int8 one in
+`kv_quant.py`) do it the same way: `update` stores the new keys and values and
+returns the layer's cache so far, then causal attention runs over it.
+"""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from .attention import attend
 from .config import ModelConfig
 
 
@@ -16,7 +23,22 @@ def cache_slots(input_pos: Tensor, n_new: int, max_seq_len: int) -> tuple[int, i
     return start, end
 
 
-class KVCache:
+class ContiguousCache:
+    """A cache with one preallocated row of `max_seq_len` positions per sequence; subclasses store it."""
+
+    max_seq_len: int
+
+    def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [B, H_kv, T, D] at `input_pos`; return the layer's keys and values up to there."""
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        """The attention contract: store the new keys and values, attend q [B, H, T, D] over the cache."""
+        k, v = self.update(layer, input_pos, k, v)                  # (B, H_kv, S, D)
+        return attend(q, k, v)                                       # (B, H, T, D)
+
+
+class KVCache(ContiguousCache):
     """A contiguous cache preallocated for `max_seq_len` positions of every layer.
 
     Shape contract: k, v are [L, B, H_kv, S, D]; `update` writes the new keys and

@@ -1,6 +1,6 @@
 """An int8 KV cache: keys and values stored as int8 with one scale per head and position.
 
-Same `update` contract as `KVCache`: write a layer's new keys and values at
+Same `update` and `attend` contract as `KVCache`: write a layer's new keys and values at
 `input_pos`, get back that layer's cache up to the last written position, in the
 compute dtype, ready for attention. Each head's [D] vector at each position is
 scaled by its own absmax, so one outlier token cannot coarsen the others.
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig
-from .kv_cache import cache_slots
+from .kv_cache import ContiguousCache, cache_slots
 
 SCALE_DTYPE = torch.float16   # scales in 16 bits: 2 bytes per head and position
 
@@ -23,7 +23,7 @@ def quantize_heads(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale.to(SCALE_DTYPE)
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(ContiguousCache):
     """A contiguous int8 cache: k_q, v_q [L, B, H_kv, S, D] int8 and k_scale, v_scale [L, B, H_kv, S]."""
 
     def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention import NoCache
 from .config import ModelConfig
-from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -60,28 +60,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(C, config.n_kv_heads * D, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * D, C, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor,
-                cache: KVCache | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache) -> Tensor:
+        # cache: anything with `attend(layer, q, k, v, input_pos)` (attention.py's contract)
         B, T, C = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if getattr(cache, "paged", False):     # the engine's paged cache writes and attends itself
-            y = cache.attend(self.layer, q, k, v)                                       # (B, H, T, D)
-            return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
-        if cache is not None:
-            k, v = cache.update(self.layer, input_pos, k, v)                            # (B, H_kv, S, D)
-        S = k.shape[2]
-        if T == 1:
-            mask, causal = None, False           # one new query sees every cached position
-        elif S == T:
-            mask, causal = None, True            # plain causal self-attention over this call
-        else:                                    # new queries after a cached prefix
-            mask = torch.arange(S, device=x.device)[None, :] <= input_pos[:, None]  # (T, S)
-            causal = False
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+        y = cache.attend(self.layer, q, k, v, input_pos)                                # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -137,10 +123,17 @@ class Transformer(nn.Module):
         """Distinct parameters (a tied head is counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids: Tensor, input_pos: Tensor | None = None,
-                cache: KVCache | None = None, output_rows: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, input_pos: Tensor | None = None, cache=None) -> Tensor:
+        """Logits [B, T, V] of every position; `cache` keeps keys and values across calls (None: keep nothing)."""
+        return self.logits(self.hidden_states(input_ids, input_pos, cache))
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The final norm and the LM head: hidden states [..., C] -> logits [..., V]."""
+        return self.lm_head(self.norm(h))
+
+    def hidden_states(self, input_ids: Tensor, input_pos: Tensor | None = None, cache=None) -> Tensor:
+        """The decoder stack without the head: [B, T] token ids -> [B, T, C] (the engine picks rows first)."""
         # input_ids: [B, T]; input_pos: [T] absolute positions (default 0..T-1)
-        # output_rows: [R] positions of this call whose logits are wanted (default all T)
         B, T = input_ids.shape
         if input_pos is None:
             input_pos = torch.arange(T, device=input_ids.device)
@@ -150,12 +143,11 @@ class Transformer(nn.Module):
                              f"{self.config.max_seq_len} tokens")
         cos = self.rope_cos[input_pos].to(self.embed_tokens.weight.dtype)   # (T, D)
         sin = self.rope_sin[input_pos].to(self.embed_tokens.weight.dtype)
+        cache = NoCache() if cache is None else cache
         x = self.embed_tokens(input_ids)                                     # (B, T, C)
         for block in self.layers:
             x = block(x, cos, sin, input_pos, cache)
-        if output_rows is not None:
-            x = x[:, output_rows]                                            # (B, R, C)
-        return self.lm_head(self.norm(x))                                    # (B, T or R, V)
+        return x                                                             # (B, T, C)
 
     # -- Hugging Face Llama format ---------------------------------------------------
     def hf_state_dict(self) -> dict[str, Tensor]:

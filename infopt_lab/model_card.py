@@ -6,7 +6,7 @@ import json
 import torch
 
 from .loading import bundled_model_dir, load_model
-from .metrics import bits_per_byte, perplexity
+from .quality import evaluate
 
 # prompts end where a line does: the tokenizer joins a newline with the next line's indent
 SAMPLE_PROMPTS = ("def fib(n):", "class LRUCache:", "def read_lines(path, encoding='utf-8'):")
@@ -19,9 +19,10 @@ def measure(name: str) -> dict:
     log = [json.loads(line) for line in (path / "train_log.jsonl").read_text().splitlines()]
     recipe = json.loads((path / "recipe.json").read_text())
     samples = [(p, _complete(model, tok, p)) for p in SAMPLE_PROMPTS]
+    quality = evaluate(model, tok)
     return {"name": name, "params": model.num_parameters(), "config": model.config,
             "disk_mib": (path / "model.safetensors").stat().st_size / 2**20,
-            "ppl": perplexity(model, tok), "bpb": bits_per_byte(model, tok),
+            "ppl": quality.perplexity, "bpb": quality.bits_per_byte,
             "log": log, "recipe": recipe, "samples": samples}
 
 

@@ -173,7 +173,7 @@ def gantt(timeline: Sequence[Sequence[tuple[int, int, str]]], n_slots: int, ax: 
     """Batch slots over steps: a colour per request, hatched grey where a finished request pads its row.
 
     `timeline` holds, per step, (slot, request id, "prefill" | "decode" | "padding") rows: a
-    simulator's `timeline` or `[r.rows for r in engine.stats.timeline]`. With `times` (one start
+    simulator's `timeline` or `[r.rows for r in outs.stats.timeline]`. With `times` (one start
     per step, plus the end) the x axis is seconds instead of steps.
     """
     ax = _axes(ax, (9, 0.35 * n_slots + 1.3))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,13 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .device import synchronize
 from .gptq import calibration_ids, gptq_quantize_model
 from .kv_cache import KVCache
 from .kv_quant import QuantizedKVCache
-from .metrics import perplexity
-from .quality import PROMPTS, greedy_ids, quality_report
+from .quality import PROMPTS, greedy_ids, perplexity, quality_report, split_tokens
 from .quantize import quantize_model, state_dict_bytes
+from .timing import time_fn, time_interleaved
 
 MB = 2 ** 20
 
@@ -70,8 +68,8 @@ def default_schemes(model: nn.Module, tok, group_sizes=(128, 64, 32), gptq_group
 def cached_perplexity(model, tok, cache_factory=KVCache.for_model, max_tokens: int | None = None,
                       seq_len: int = 512, chunk: int = 64, batch_size: int = 8) -> float:
     """Val perplexity computed chunk by chunk through a KV cache, so a cache's rounding reaches the score."""
-    from .data import encode_split, eval_windows
-    tokens, _ = encode_split(tok, "val")
+    from .data import eval_windows
+    tokens, _ = split_tokens(tok, "val")
     tokens = tokens[:max_tokens + 1] if max_tokens is not None else tokens
     windows = eval_windows(tokens, min(seq_len, model.config.max_seq_len))   # (N, T + 1)
     device = next(model.parameters()).device
@@ -93,15 +91,10 @@ def decode_tokens_per_s(model, tok, cache_factory=KVCache.for_model, new_tokens:
                         repeats: int = 3, prompt: str = PROMPTS[0]) -> float:
     """Median greedy tokens/s at batch 1 (prefill of the short prompt included)."""
     device = next(model.parameters()).device
-    greedy_ids(model, tok, prompt, 4, cache_factory)             # warm-up
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        greedy_ids(model, tok, prompt, new_tokens, cache_factory)
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return new_tokens / sorted(times)[len(times) // 2]
+    greedy_ids(model, tok, prompt, 4, cache_factory)             # a short warm-up
+    seconds = time_fn(lambda: greedy_ids(model, tok, prompt, new_tokens, cache_factory),
+                      repeats=repeats, warmup=0, device=device)
+    return new_tokens / seconds
 
 
 def scheme_table(model, tok, schemes: list[Scheme] | None = None, max_tokens: int | None = None,
@@ -140,7 +133,6 @@ def format_table(rows: list[SchemeRow]) -> str:
 
 def matmul_speedup(n: int = 4096, repeats: int = 20, device: str = "cpu") -> dict[str, float]:
     """Seconds of a batch-1 [1, n] @ [n, n] matmul: bf16 weights vs int8 weight-only (the fused kernel)."""
-    from .metrics import time_fn
     from .quantize import int8_kernel_works
     x = torch.randn(1, n, device=device, dtype=torch.bfloat16)
     w = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -148,7 +140,7 @@ def matmul_speedup(n: int = 4096, repeats: int = 20, device: str = "cpu") -> dic
     scales = torch.rand(n, device=device, dtype=torch.bfloat16)
     if not int8_kernel_works(torch.device(device).type, torch.bfloat16):
         raise RuntimeError(f"aten._weight_int8pack_mm does not run for bf16 on {device} with torch {torch.__version__}")
-    t_bf16 = time_fn(lambda: torch.nn.functional.linear(x, w), repeats=repeats, warmup=3, device=device)
-    t_int8 = time_fn(lambda: torch.ops.aten._weight_int8pack_mm(x, wq, scales), repeats=repeats, warmup=3,
-                     device=device)
-    return {"bf16_s": t_bf16, "int8_s": t_int8, "speedup": t_bf16 / t_int8}
+    t = time_interleaved({"bf16": lambda: torch.nn.functional.linear(x, w),
+                          "int8": lambda: torch.ops.aten._weight_int8pack_mm(x, wq, scales)},
+                         repeats=repeats, warmup=3, device=device)
+    return {"bf16_s": t["bf16"], "int8_s": t["int8"], "speedup": t["bf16"] / t["int8"]}

@@ -5,6 +5,7 @@ G consecutive input features per row: W viewed as [N, K/G, G]. Each group gets a
 scale (and, for asymmetric schemes, a zero point), and each weight becomes
 q = round(w / scale) (+ zero), clamped to the integer range of `bits`.
 Per-channel is one group per row (G = K); per-tensor is one group for all of W.
+How the result is stored and read back (int4 packing, dequantize) is `quant_format.py`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .quant_format import dequantize, pack_int4, unpack_int4   # the stored format, shared with the int4 kernel
 
 SCHEMES = ("int8", "int4")
 INT8_KERNEL = "aten._weight_int8pack_mm"
@@ -86,52 +89,11 @@ def quantize_asymmetric(w: Tensor, bits: int = 4, group_size: int | None = None,
     return q.to(torch.uint8).reshape(w.shape), scale.to(w.dtype), zero.to(torch.uint8)
 
 
-def dequantize(q: Tensor, scale: Tensor, zero: Tensor | None = None,
-               dtype: torch.dtype | None = None) -> Tensor:
-    """w ~ (q - zero) * scale, with the group size read from the shapes: q [N, K], scale [N, K/G] -> [N, K]."""
-    dtype = dtype or scale.dtype
-    N, K = q.shape
-    if scale.numel() == 1:                                        # per-tensor
-        scale = scale.reshape(1, 1)
-        zero = zero.reshape(1, 1) if zero is not None else None
-        g = q.reshape(1, 1, -1).float()
-    else:
-        g = q.reshape(N, scale.shape[-1], -1).float()             # (N, K/G, G)
-    if zero is not None:
-        g = g - zero.float()[..., None]
-    return (g * scale.float()[..., None]).reshape(N, K).to(dtype)
-
-
 def quantization_error(w: Tensor, w_hat: Tensor) -> dict[str, float]:
     """How far the round trip moved the weights: max and mean absolute error, relative RMS error."""
     d = (w.float() - w_hat.float())
     rel = d.pow(2).mean().sqrt() / w.float().pow(2).mean().sqrt().clamp(min=1e-12)
     return {"max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(), "rel_rms": rel.item()}
-
-
-# -- int4 packing: two 4-bit values per byte -------------------------------------------------------
-def pack_int4(q: Tensor) -> Tensor:
-    """Pack values 0..15 along the last dim, two per byte (low nibble first): [..., K] -> [..., ceil(K/2)] uint8."""
-    if q.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
-        raise TypeError(f"pack_int4 takes an integer tensor, got {q.dtype}")
-    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
-        raise ValueError(f"pack_int4 takes values 0..15, got values in {int(q.min())}..{int(q.max())}")
-    q = q.to(torch.uint8)
-    if q.shape[-1] % 2:                                           # odd length: pad one zero nibble
-        q = F.pad(q, (0, 1))
-    return q[..., 0::2] | (q[..., 1::2] << 4)                     # (..., ceil(K/2))
-
-
-def unpack_int4(packed: Tensor, length: int | None = None) -> Tensor:
-    """Inverse of pack_int4: [..., B] uint8 -> [..., length] uint8 (length defaults to 2*B)."""
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"unpack_int4 takes a uint8 tensor, got {packed.dtype}")
-    n = packed.shape[-1] * 2
-    length = n if length is None else length
-    if not n - 1 <= length <= n:
-        raise ValueError(f"length must be {n - 1} or {n} for {packed.shape[-1]} packed bytes, got {length}")
-    q = torch.stack((packed & 0x0F, packed >> 4), dim=-1)        # (..., B, 2)
-    return q.flatten(-2)[..., :length]                            # (..., length)
 
 
 # -- the int8 weight-only kernel -------------------------------------------------------------------
@@ -213,7 +175,7 @@ class QuantLinear(nn.Module):
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
         if self.path == TRITON_INT4:
-            from .kernels.int4_matmul import int4_matmul
+            from .kernels.int4_matmul import int4_matmul   # here, not at the top: it imports Triton
             y = int4_matmul(x.reshape(-1, self.in_features), self.weight_q, self.scales, self.zeros)
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y

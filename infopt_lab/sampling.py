@@ -1,40 +1,103 @@
-"""Decoding rules: logits of the last position -> the next token.
+"""Decoding rules and per-request settings: logits of the last position -> the next token.
 
-Greedy takes the argmax; sampling divides by a temperature, keeps the top-k
-tokens and/or the smallest set whose probability reaches top-p, renormalises
-and draws with a seeded generator, so a run can be repeated exactly.
+`SamplingParams` (vLLM's name) holds everything one request asks for: how many
+tokens, how to pick each (greedy, or temperature with top-k / top-p, seeded so a
+run can be repeated exactly) and when to stop. `lab.generate`, the engine and
+speculative decoding all take it, all check a request with `check_request`, and
+all pick tokens with `sample` (which draws through `draw`, the package's only
+random draw of a token).
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0     # 0 means greedy
-    top_k: int | None = None     # keep the k most likely tokens
-    top_p: float | None = None   # keep the smallest set with cumulative probability >= top_p
-    seed: int | None = 0         # seed of the sampling generator
+    """Per-request decoding settings: `lab.SamplingParams(max_new_tokens=64, temperature=0.0, seed=0)`."""
 
-    def __post_init__(self):
-        validate_sampling(self.temperature, self.top_k, self.top_p)
+    max_new_tokens: int = 64                 # new tokens to produce at most
+    temperature: float = 0.0                 # 0 means greedy (argmax)
+    top_k: int | None = None                 # keep the k most likely tokens
+    top_p: float | None = None               # keep the smallest set with cumulative probability >= top_p
+    seed: int | None = 0                     # seed of the request's own generator; None: torch's global RNG
+    stop_token_ids: tuple[int, ...] = ()     # stop after producing any of these
+    stop_at_eos: bool = True                 # stop after the tokenizer's end-of-sequence token too
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, low=1))
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", _integer("top_k", self.top_k, low=1, none="or None"))
+        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real)
+                                       or not 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _integer("seed", self.seed, low=0, none="or None"))
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
+        stops = tuple(_integer("stop_token_ids", t, low=0) for t in self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", stops)
+        if not isinstance(self.stop_at_eos, bool):
+            raise TypeError(f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
 
     @property
     def greedy(self) -> bool:
+        """Whether tokens are picked by argmax."""
         return self.temperature == 0.0
 
+    def stop_ids(self, eos_id: int | None) -> frozenset[int]:
+        """The token ids that end this request, given the tokenizer's end-of-sequence id."""
+        extra = {eos_id} if self.stop_at_eos and eos_id is not None else set()
+        return frozenset(self.stop_token_ids) | extra
 
-def validate_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError naming what is allowed for each sampling setting."""
-    if temperature is None or temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+def _integer(name: str, value, low: int, none: str = "") -> int:
+    """`value` as an int (numpy integers included, bools refused), at least `low`; else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= {low} {none}, got {value!r}".replace("  ", " "))
+    if value < low:
+        raise ValueError(f"{name} must be an integer >= {low} {none}, got {value!r}".replace("  ", " "))
+    return int(value)
+
+
+def sampling_params(params: SamplingParams | None = None, **overrides) -> SamplingParams:
+    """`params` (default settings when None) with keyword overrides applied; unknown names are refused."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"unknown sampling setting(s) {unknown}; allowed: {sorted(fields)}")
+    return dataclasses.replace(params or SamplingParams(), **overrides)
+
+
+def check_request(prompt_ids, params: SamplingParams, config, extra_positions: int = 0) -> None:
+    """Raise ValueError when a request cannot be served by a model with this config: the one request check.
+
+    `extra_positions` are cache slots beyond the request's own tokens (speculative decoding's k + 1).
+    """
+    n = len(prompt_ids)
+    if n < 1:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [int(t) for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
+    if bad:
+        raise ValueError(f"token ids must be in [0, {config.vocab_size}), got {bad[:5]}")
+    context = config.max_seq_len - extra_positions
+    if n + params.max_new_tokens > context:
+        raise ValueError(f"prompt of {n} tokens + max_new_tokens={params.max_new_tokens}"
+                         f"{f' + {extra_positions} draft positions' if extra_positions else ''} exceeds the "
+                         f"model's context of {config.max_seq_len} tokens; shorten the prompt or ask for at "
+                         f"most {max(0, context - n)} new tokens")
 
 
 def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -54,13 +117,17 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None 
     return logits.softmax(-1)
 
 
-def sample(logits: Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None) -> Tensor:
-    """The next token id for each row of logits [B, V] -> [B]."""
+def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token id per row of probabilities [..., V] -> [...], drawn with `generator`."""
+    flat = probs.reshape(-1, probs.shape[-1])                             # (rows, V)
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+    """The next token id for each row of logits [..., V] -> [...]: argmax when greedy, else a seeded draw."""
     if params.greedy:
         return logits.argmax(-1)
-    probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(logits_to_probs(logits, params.temperature, params.top_k, params.top_p), generator)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

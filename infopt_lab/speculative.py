@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from .device import synchronize
-from .kv_cache import KVCache
-from .sampling import logits_to_probs, make_generator
+from .generate import Decoder
+from .sampling import SamplingParams, check_request, draw, logits_to_probs, make_generator, sample, sampling_params
 
 
 def expected_tokens_per_pass(alpha: float, k: int) -> float:
@@ -49,30 +49,34 @@ def _check_alpha_k(alpha: float, k: int) -> None:
 
 
 def verify(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-           generator: torch.Generator | None = None) -> tuple[list[int], int]:
+           generator: torch.Generator | None = None,
+           accept_generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """The sampling acceptance rule. draft_tokens [k], draft_probs [k, V], target_probs [k + 1, V].
 
     Returns (emitted tokens, number of draft tokens accepted): the accepted prefix plus one
     token drawn from the residual max(0, p - q) at the first rejection, or from p_k if none.
+    Tokens are drawn with `generator`; the acceptance coins with `accept_generator` when given
+    (so that a draft equal to the target leaves the token draws exactly those of plain decoding).
     """
     k = draft_tokens.shape[0]
     if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1 or draft_probs.shape[1] != target_probs.shape[1]:
         raise ValueError(f"need draft_probs [k, V] and target_probs [k + 1, V] for k={k}, got "
                          f"{tuple(draft_probs.shape)} and {tuple(target_probs.shape)}")
+    coins = generator if accept_generator is None else accept_generator
     emitted: list[int] = []
     for i in range(k):
         x = int(draft_tokens[i])
         p, q = target_probs[i, x].item(), draft_probs[i, x].item()
-        u = torch.rand((), generator=generator, device=target_probs.device).item()
+        u = torch.rand((), generator=coins, device=target_probs.device).item()
         if q > 0 and u < min(1.0, p / q):
             emitted.append(x)
             continue
         residual = (target_probs[i] - draft_probs[i]).clamp(min=0)           # where the target wants more
         total = residual.sum()
         residual = residual / total if total > 0 else target_probs[i]
-        emitted.append(int(torch.multinomial(residual, 1, generator=generator)))
+        emitted.append(int(draw(residual, generator)))
         return emitted, i
-    emitted.append(int(torch.multinomial(target_probs[k], 1, generator=generator)))
+    emitted.append(int(draw(target_probs[k], generator)))
     return emitted, k
 
 
@@ -136,108 +140,90 @@ class SpeculativeOutput:
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens over the end-to-end time, prefill included (metrics.py's definition)."""
         return len(self.token_ids) / self.wall_s if self.wall_s > 0 else float("nan")
 
 
-class _Decoder:
-    """A model, its KV cache and the number of positions the cache holds."""
-
-    def __init__(self, model, capacity: int):
-        self.model, self.cache, self.pos, self.forwards = model, KVCache.for_model(model, 1, capacity), 0, 0
-
-    @torch.inference_mode()
-    def feed(self, tokens: list[int]) -> Tensor:
-        """Append tokens at the current position; logits [len(tokens), V] of each."""
-        device = self.cache.k.device
-        ids = torch.tensor([tokens], device=device)
-        pos = torch.arange(self.pos, self.pos + len(tokens), device=device)
-        self.pos += len(tokens)
-        self.forwards += 1
-        return self.model(ids, pos, self.cache)[0]
+def _feed(decoder: Decoder, tokens: list[int]) -> Tensor:
+    """Append tokens to one sequence's cache; their logits [len(tokens), V]."""
+    return decoder.feed(torch.tensor([tokens], device=decoder.device))[0]
 
 
-def _check_pair(target, draft, input_ids: Tensor, max_new_tokens: int, k: int, temperature: float) -> None:
-    if not isinstance(k, int) or k < 1:
+def _check_pair(target, draft, input_ids: Tensor, params: SamplingParams, k: int) -> None:
+    """The request checks of both models (with room for k + 1 draft positions), plus k and the vocabularies."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    if temperature is None or temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if draft is not None and draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs from the target's "
                          f"({target.config.vocab_size}): speculative decoding needs one shared tokenizer")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be [1, T] with T >= 1, got {tuple(input_ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    limit = min(target.config.max_seq_len, draft.config.max_seq_len if draft is not None else 10**9)
-    if input_ids.shape[1] + max_new_tokens + k + 1 > limit:
-        raise ValueError(f"prompt of {input_ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + k + 1 "
-                         f"exceeds the context of {limit} tokens")
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be a tensor [1, T], got {getattr(input_ids, 'shape', input_ids)!r}")
+    for model in (target, draft) if draft is not None else (target,):
+        check_request(input_ids[0].tolist(), params, model.config, extra_positions=k + 1)
 
 
-def _finish(out: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
-    out = out[:max_new_tokens]
-    if eos_id is not None and eos_id in out:
-        out = out[:out.index(eos_id) + 1]
-    return out
+def _finish(out: list[int], params: SamplingParams, stops: frozenset[int]) -> list[int]:
+    """Cut the tokens at max_new_tokens and after the first stop token."""
+    out = out[:params.max_new_tokens]
+    first_stop = next((i for i, t in enumerate(out) if t in stops), None)
+    return out if first_stop is None else out[:first_stop + 1]
 
 
-def _propose(drf: _Decoder, pending: list[int], k: int, pick_greedy, temperature: float,
+def _propose(drf: Decoder, pending: list[int], k: int, params: SamplingParams,
              generator) -> tuple[list[int], list[Tensor]]:
     """The draft's k tokens after feeding `pending`; with sampling, also the distribution each was drawn from."""
-    logits = drf.feed(pending)[-1]
+    logits = _feed(drf, pending)[-1]
     proposed, q = [], []
     for i in range(k):
-        if pick_greedy is not None:
-            proposed.append(pick_greedy(logits))
+        if params.greedy:
+            proposed.append(int(sample(logits, params)))
         else:
-            q.append(logits_to_probs(logits, temperature))
-            proposed.append(int(torch.multinomial(q[-1], 1, generator=generator)))
+            q.append(logits_to_probs(logits, params.temperature, params.top_k, params.top_p))
+            proposed.append(int(draw(q[-1], generator)))
         if i < k - 1:
-            logits = drf.feed([proposed[-1]])[-1]
+            logits = _feed(drf, [proposed[-1]])[-1]
     return proposed, q
 
 
-def speculative_generate(target, draft, input_ids: Tensor, max_new_tokens: int, k: int = 4,
-                         temperature: float = 0.0, seed: int | None = 0,
-                         eos_id: int | None = None) -> SpeculativeOutput:
-    """Decode with the draft proposing k tokens per round and the target verifying them in one pass."""
-    _check_pair(target, draft, input_ids, max_new_tokens, k, temperature)
+def speculative_generate(target, draft, input_ids: Tensor, params: SamplingParams | None = None, k: int = 4,
+                         *, eos_id: int | None = None, **overrides) -> SpeculativeOutput:
+    """Decode with the draft proposing k tokens per round and the target verifying them in one pass.
+
+    Keyword overrides are SamplingParams fields (`max_new_tokens=64, temperature=0.8, ...`).
+    """
+    params = sampling_params(params, **overrides)
+    _check_pair(target, draft, input_ids, params, k)
     prompt = input_ids[0].tolist()
-    capacity = len(prompt) + max_new_tokens + k + 1
-    tgt, drf = _Decoder(target, capacity), _Decoder(draft, capacity)
-    generator = make_generator(seed, input_ids.device)
-    greedy = temperature == 0
-
-    def pick(logits: Tensor) -> int:
-        if greedy:
-            return int(logits.argmax())
-        return int(torch.multinomial(logits_to_probs(logits, temperature), 1, generator=generator))
-
+    capacity = len(prompt) + params.max_new_tokens + k + 1
+    tgt, drf = Decoder(target, 1, capacity), Decoder(draft, 1, capacity)
+    generator = make_generator(params.seed, input_ids.device)
+    coins = make_generator(None if params.seed is None else params.seed + 1, input_ids.device)
+    stops = params.stop_ids(eos_id)
     synchronize(input_ids.device)
     start = time.perf_counter()
-    out = [pick(tgt.feed(prompt)[-1])]                # the target's prefill gives the first token
+    out = [int(sample(_feed(tgt, prompt)[-1], params, generator))]   # the target's prefill gives the first token
     if len(prompt) > 1:
-        drf.feed(prompt[:-1])
+        _feed(drf, prompt[:-1])
     pending = [prompt[-1], out[0]]                    # tokens the draft has not seen yet
     rounds: list[Round] = []
-    while len(out) < max_new_tokens and (eos_id is None or eos_id not in out):
-        proposed, q = _propose(drf, pending, k, pick if greedy else None, temperature, generator)
-        p_logits = tgt.feed([out[-1]] + proposed)     # one target pass: p_0..p_k, [k + 1, V]
-        if greedy:
-            emitted, accepted = verify_greedy(proposed, p_logits.argmax(-1).tolist())
+    while len(out) < params.max_new_tokens and not stops.intersection(out):
+        proposed, q = _propose(drf, pending, k, params, generator)
+        p_logits = _feed(tgt, [out[-1]] + proposed)   # one target pass: p_0..p_k, [k + 1, V]
+        if params.greedy:
+            emitted, accepted = verify_greedy(proposed, sample(p_logits, params).tolist())
         else:
-            emitted, accepted = verify(torch.tensor(proposed), torch.stack(q),
-                                       logits_to_probs(p_logits, temperature), generator)
-        tgt.pos -= k - accepted                       # roll back: keep [last, d_1..d_accepted]
+            p = logits_to_probs(p_logits, params.temperature, params.top_k, params.top_p)
+            emitted, accepted = verify(torch.tensor(proposed), torch.stack(q), p, generator, coins)
+        tgt.rollback(k - accepted)                    # keep [last, d_1..d_accepted]
         if accepted < k:
-            drf.pos -= k - 1 - accepted               # the draft fed d_1..d_{k-1}; keep d_1..d_accepted
+            drf.rollback(k - 1 - accepted)            # the draft fed d_1..d_{k-1}; keep d_1..d_accepted
             pending = [emitted[-1]]
         else:
             pending = [proposed[-1], emitted[-1]]     # d_k and the bonus token are new to the draft
         rounds.append(Round(proposed, accepted, emitted))
         out += emitted
     synchronize(input_ids.device)
-    return SpeculativeOutput(_finish(out, max_new_tokens, eos_id), k, rounds, tgt.forwards, drf.forwards,
+    return SpeculativeOutput(_finish(out, params, stops), k, rounds, tgt.forwards, drf.forwards,
                              time.perf_counter() - start)
 
 
@@ -251,23 +237,27 @@ def lookup_draft(context: list[int], k: int = 4, max_ngram: int = 3) -> list[int
     return []
 
 
-def prompt_lookup_generate(target, input_ids: Tensor, max_new_tokens: int, k: int = 4, max_ngram: int = 3,
-                           eos_id: int | None = None) -> SpeculativeOutput:
+def prompt_lookup_generate(target, input_ids: Tensor, params: SamplingParams | None = None, k: int = 4,
+                           max_ngram: int = 3, *, eos_id: int | None = None, **overrides) -> SpeculativeOutput:
     """Greedy speculative decoding with no draft model: proposals are copied from earlier in the context."""
-    _check_pair(target, None, input_ids, max_new_tokens, k, 0.0)
+    params = sampling_params(params, **overrides)
+    if not params.greedy:
+        raise ValueError(f"prompt lookup decodes greedily: temperature must be 0, got {params.temperature}")
+    _check_pair(target, None, input_ids, params, k)
     prompt = input_ids[0].tolist()
-    tgt = _Decoder(target, len(prompt) + max_new_tokens + k + 1)
+    tgt = Decoder(target, 1, len(prompt) + params.max_new_tokens + k + 1)
+    stops = params.stop_ids(eos_id)
     synchronize(input_ids.device)
     start = time.perf_counter()
-    out = [int(tgt.feed(prompt)[-1].argmax())]
+    out = [int(sample(_feed(tgt, prompt)[-1], params))]
     rounds: list[Round] = []
-    while len(out) < max_new_tokens and (eos_id is None or eos_id not in out):
+    while len(out) < params.max_new_tokens and not stops.intersection(out):
         proposed = lookup_draft(prompt + out, k, max_ngram)
-        p_logits = tgt.feed([out[-1]] + proposed)
-        emitted, accepted = verify_greedy(proposed, p_logits.argmax(-1).tolist())
-        tgt.pos -= len(proposed) - accepted
+        p_logits = _feed(tgt, [out[-1]] + proposed)
+        emitted, accepted = verify_greedy(proposed, sample(p_logits, params).tolist())
+        tgt.rollback(len(proposed) - accepted)
         rounds.append(Round(proposed, accepted, emitted))
         out += emitted
     synchronize(input_ids.device)
-    return SpeculativeOutput(_finish(out, max_new_tokens, eos_id), k, rounds, tgt.forwards, 0,
+    return SpeculativeOutput(_finish(out, params, stops), k, rounds, tgt.forwards, 0,
                              time.perf_counter() - start)

@@ -5,13 +5,12 @@ and the notebook report the same measurements.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from .device import synchronize
 from .kv_cache import KVCache
+from .timing import Timer, fastest, time_interleaved
 
 
 SPEC_PROMPTS = ("import os\n\n\ndef walk_files(root):", "class Stack:\n    def __init__(self):",
@@ -48,25 +47,17 @@ def pass_costs(target, draft, new_tokens=(1, 2, 3, 4, 5, 7, 9), prefix: int = 20
     for name, model in (("target", target), ("draft", draft)):
         caches[name] = KVCache.for_model(model, 1, prefix + max(new_tokens) + 1)
         model(torch.randint(0, 100, (1, prefix), device=device), torch.arange(prefix, device=device), caches[name])
-    times: dict = {n: [] for n in new_tokens}
-    times["draft"] = []
-    for _ in range(repeats):
-        for n in (*new_tokens, "draft"):
-            model, cache, m = (draft, caches["draft"], 1) if n == "draft" else (target, caches["target"], n)
-            x = torch.randint(0, 100, (1, m), device=device)
-            pos = torch.arange(prefix, prefix + m, device=device)
-            synchronize(device)
-            start = time.perf_counter()
-            model(x, pos, cache)
-            synchronize(device)
-            times[n].append(time.perf_counter() - start)
-    med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+
+    def one_pass(model, cache, m: int):
+        """A call of `model` on m new tokens after the prefix, ready to time."""
+        x = torch.randint(0, 100, (1, m), device=device)                 # (1, m)
+        pos = torch.arange(prefix, prefix + m, device=device)            # the same positions every run
+        return lambda: model(x, pos, cache)
+
+    passes = {n: one_pass(target, caches["target"], n) for n in new_tokens}
+    passes["draft"] = one_pass(draft, caches["draft"], 1)
+    med = time_interleaved(passes, repeats=repeats, warmup=1, device=device)
     return {n: med[n] for n in new_tokens}, med["draft"]
-
-
-def _best_of(fn, repeats: int):
-    """fn() -> (seconds, payload), run `repeats` times; the fastest run."""
-    return min((fn() for _ in range(repeats)), key=lambda r: r[0])
 
 
 def speculative_runs(target, draft, tok, prompts, new_tokens: int = 128, ks=(1, 2, 3, 4, 6),
@@ -80,13 +71,13 @@ def speculative_runs(target, draft, tok, prompts, new_tokens: int = 128, ks=(1, 
     def target_only():
         outs = [generate(target, tok, p, max_new_tokens=new_tokens, stop_at_eos=False) for p in prompts]
         return sum(o.e2e_s for o in outs), [o.token_ids for o in outs]
-    secs, toks = _best_of(target_only, repeats)
+    secs, toks = fastest(target_only, repeats)
     runs["target"] = SpecRun("target only", len(prompts) * new_tokens, secs, toks, None, 1.0)
     for k in ks:
         def spec(k=k):
-            outs = [speculative_generate(target, draft, x, new_tokens, k=k) for x in ids]
+            outs = [speculative_generate(target, draft, x, max_new_tokens=new_tokens, k=k) for x in ids]
             return sum(o.wall_s for o in outs), outs
-        secs, outs = _best_of(spec, repeats)
+        secs, outs = fastest(spec, repeats)
         agg = SpeculativeOutput([], k, [r for o in outs for r in o.rounds], 0, 0, secs)
         runs[f"k={k}"] = SpecRun(f"speculative k={k}", len(prompts) * new_tokens, secs, [o.token_ids for o in outs],
                                  agg.acceptance_rate, agg.tokens_per_pass)
@@ -98,15 +89,16 @@ def speculative_runs(target, draft, tok, prompts, new_tokens: int = 128, ks=(1, 
         hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
 
         def assisted():
-            start, toks = time.perf_counter(), []
-            for x in ids:
-                with torch.no_grad():
-                    out = hf_target.generate(x, attention_mask=torch.ones_like(x), assistant_model=hf_draft,
-                                             do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
-                toks.append(out[0, x.shape[1]:].tolist())
-            synchronize(x.device)
-            return time.perf_counter() - start, toks
-        secs, toks = _best_of(assisted, repeats)
+            """Seconds and tokens of transformers' assisted generation over every prompt."""
+            toks = []
+            with Timer(ids[0].device) as t:
+                for x in ids:
+                    with torch.no_grad():
+                        out = hf_target.generate(x, attention_mask=torch.ones_like(x), assistant_model=hf_draft,
+                                                 do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+                    toks.append(out[0, x.shape[1]:].tolist())
+            return t.seconds, toks
+        secs, toks = fastest(assisted, repeats)
         runs["transformers"] = SpecRun(f"transformers assisted k={k}", sum(map(len, toks)), secs, toks)
     return runs
 
@@ -123,20 +115,19 @@ def prompt_lookup_runs(target, tok, prompt: str = REPEAT_PROMPT, new_tokens: int
         return o.e2e_s, [o.token_ids]
 
     def lookup():
-        o = prompt_lookup_generate(target, x, new_tokens, k=k)
+        o = prompt_lookup_generate(target, x, max_new_tokens=new_tokens, k=k)
         return o.wall_s, o
-    runs = {"target": SpecRun("target only", new_tokens, *_best_of(target_only, repeats), None, 1.0)}
-    secs, o = _best_of(lookup, repeats)
+    runs = {"target": SpecRun("target only", new_tokens, *fastest(target_only, repeats), None, 1.0)}
+    secs, o = fastest(lookup, repeats)
     runs["lookup"] = SpecRun(f"prompt lookup k={k}", new_tokens, secs, [o.token_ids], o.acceptance_rate,
                              o.tokens_per_pass)
     if hf_target is not None:
         def hf_lookup():
-            start = time.perf_counter()
-            with torch.no_grad():
+            """Seconds and tokens of transformers' prompt-lookup generation."""
+            with Timer(x.device) as t, torch.no_grad():
                 out = hf_target.generate(x, attention_mask=torch.ones_like(x), prompt_lookup_num_tokens=k,
                                          do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
-            synchronize(x.device)
-            return time.perf_counter() - start, [out[0, x.shape[1]:].tolist()]
-        secs, toks = _best_of(hf_lookup, repeats)
+            return t.seconds, [out[0, x.shape[1]:].tolist()]
+        secs, toks = fastest(hf_lookup, repeats)
         runs["transformers"] = SpecRun(f"transformers prompt lookup k={k}", len(toks[0]), secs, toks)
     return runs

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from . import data
 from .config import get_preset
 from .device import get_device
-from .metrics import score_windows
+from .quality import score_windows
 from .model import Transformer
 
 

@@ -1,14 +1,26 @@
-"""Shared fixtures: a tiny random model in the bundled format, and the bundled models."""
+"""Shared fixtures: a tiny random model in the bundled format, and the bundled models.
+
+Also the one switch the kernel tests need: Triton's interpreter on a machine without CUDA.
+"""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
-import torch
+import torch  # torch does not import triton, so asking it about CUDA here is still early enough
 
-from infopt_lab.config import get_preset
-from infopt_lab.loading import ASSETS
-from infopt_lab.model import Transformer
+# Triton reads TRITON_INTERPRET once, when triton itself is first imported; kernels defined after an import
+# without it can only be compiled for a GPU, and on a CPU every kernel test would fail. pytest imports this
+# file before any test module, so setting it here does not depend on which test module imports what first
+# (`import infopt_lab` sets it too, but only if it comes before transformers, torch.compile or `import triton`).
+# With CUDA it stays unset: the kernels compile for real there (scripts/gpu_check.sh).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from infopt_lab.config import get_preset  # noqa: E402  (the package, after the switch)
+from infopt_lab.loading import ASSETS  # noqa: E402
+from infopt_lab.model import Transformer  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

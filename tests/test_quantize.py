@@ -1,6 +1,11 @@
 """Quantization: exact packing, honest footprints, bounded errors, clear refusals."""
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -71,11 +76,18 @@ def test_finer_groups_and_more_bits_mean_less_error(w):
     assert lab.quantization_error(w, w)["max_abs"] == 0.0
 
 
-def test_shapes_of_scales(w):
-    assert lab.quantize_symmetric(w, 8)[1].shape == (64, 1)            # per channel
-    assert lab.quantize_symmetric(w, 8, per_tensor=True)[1].shape == (1, 1)
+def test_scales_and_zeros_are_the_ranges_of_their_groups(w):
+    absmax = w.abs().amax(dim=1, keepdim=True)                        # (64, 1): one scale per row
+    torch.testing.assert_close(lab.quantize_symmetric(w, 8)[1], absmax / 127, rtol=0, atol=0)
+    torch.testing.assert_close(lab.quantize_symmetric(w, 8, per_tensor=True)[1], w.abs().max().reshape(1, 1) / 127,
+                               rtol=0, atol=0)
     q, s, z = lab.quantize_asymmetric(w, 4, 64)
-    assert s.shape == z.shape == (64, 4)
+    groups = w.reshape(64, 4, 64)                                      # (N, K/G, G)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    torch.testing.assert_close(s, (hi - lo) / 15, rtol=0, atol=0)     # (64, 4): the group's range in 15 steps
+    assert torch.equal(z, torch.round(-lo / s).to(torch.uint8))        # the integer that dequantizes to 0.0
+    assert torch.equal(q.reshape(64, 4, 64).amin(-1), torch.zeros(64, 4, dtype=torch.uint8))   # each group's min
+    assert (q.reshape(64, 4, 64).amax(-1) == 15).all()                 # and its max use the ends of the range
 
 
 # -- bad input --------------------------------------------------------------------------------------
@@ -106,8 +118,10 @@ def test_state_dict_footprint_of_a_4096_layer():
     assert set(int8.state_dict()) == {"weight_q", "scales"}
     assert set(int4.state_dict()) == {"weight_q", "scales", "zeros"}
     assert int4.state_dict()["weight_q"].dtype == torch.uint8
-    assert fp32 / lab.state_dict_bytes(int8) >= 3.9
-    assert fp32 / lab.state_dict_bytes(int4) >= 6.0
+    N = K = 4096
+    assert fp32 == 4 * N * K
+    assert lab.state_dict_bytes(int8) == N * K + 4 * N                   # int8 weights, an fp32 scale per row
+    assert lab.state_dict_bytes(int4) == N * K // 2 + (4 + 1) * N * K // 64   # nibbles; fp32 scale, uint8 zero per group
 
 
 @pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", 32), ("int4", None)])
@@ -135,29 +149,70 @@ def test_quantize_model_copies_and_stays_close(tiny):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.tensor([tok.encode("def fib(n):\n    return n")])
     ref = model(ids)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
+    assert model.lm_head.weight is model.embed_tokens.weight          # tied: the head stays in float
     for scheme, g, tol in [("int8", None, 0.02), ("int4", 32, 0.2)]:
         q = lab.quantize_model(model, scheme, group_size=g)
-        n_linear = sum(isinstance(m, nn.Linear) for m in model.modules()) - 1   # the tied head stays
-        assert sum(quant_paths(q).values()) == n_linear
-        assert lab.state_dict_bytes(q) < lab.state_dict_bytes(model)
+        assert sum(quant_paths(q).values()) == len(linears)
+        saved = 0
+        for name, linear in linears.items():                             # each layer: quantize_linear of the original
+            alone = lab.quantize_linear(linear, scheme, g).state_dict()
+            swapped = q.get_submodule(name).state_dict()
+            assert alone.keys() == swapped.keys() and all(torch.equal(alone[k], swapped[k]) for k in alone)
+            saved += lab.state_dict_bytes(linear) - sum(t.numel() * t.element_size() for t in alone.values())
+        assert lab.state_dict_bytes(q) == lab.state_dict_bytes(model) - saved
         rel = ((q(ids) - ref).norm() / ref.norm()).item()
         assert rel < tol, (scheme, rel)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(isinstance(m, lab.QuantLinear) for m in model.modules())
 
 
-def test_gptq_beats_round_to_nearest_on_its_layer():
+def _correlated_layer():
+    """A seeded layer W [64, 128] and calibration inputs X [512, 128] that mostly lie in 16 directions."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 16, generator=g) @ torch.randn(16, 128, generator=g)    # correlated inputs, like
     x = x + 0.1 * torch.randn(512, 128, generator=g)                            # a real layer's
-    w = torch.randn(64, 128, generator=g)
-    H = x.T @ x / x.shape[0]
-    q, s, z = gptq.gptq_int4(w, H, 32)
-    w_gptq = lab.dequantize(q, s, z)
-    w_rtn = lab.dequantize(*lab.quantize_asymmetric(w, 4, 32))
-    err = lambda wh: (x @ (w - wh).T).pow(2).mean().item()
-    assert err(w_gptq) < 0.8 * err(w_rtn)
-    assert int(q.max()) <= 15 and s.shape == z.shape == (64, 4)
+    return x, torch.randn(64, 128, generator=g)
+
+
+def _rtn_int4(w, H, group_size):
+    """Round-to-nearest with GPTQ's signature: what a GPTQ step that did nothing would return."""
+    return lab.quantize_asymmetric(w, 4, group_size)
+
+
+GPTQ_MARGIN = 0.5   # a clear margin: GPTQ's output error on this layer is well under half of round-to-nearest's
+
+
+def _beats_rtn(quantizer, group_size) -> bool:
+    """Whether quantizer(w, H, group_size) leaves ||X W^T - X W_hat^T|| under GPTQ_MARGIN of round-to-nearest's."""
+    x, w = _correlated_layer()
+    H = x.T @ x / x.shape[0]                                                      # (K, K)
+    err = lambda q_s_z: (x @ (w - lab.dequantize(*q_s_z)).T).norm().item()
+    return err(quantizer(w, H, group_size)) < GPTQ_MARGIN * err(_rtn_int4(w, H, group_size))
+
+
+@pytest.mark.parametrize("group_size", [32, None])
+def test_gptq_lowers_the_output_error_of_round_to_nearest(group_size):
+    assert _beats_rtn(gptq.gptq_int4, group_size)
+    assert not _beats_rtn(_rtn_int4, group_size)          # the margin is what a do-nothing GPTQ cannot reach
+
+
+def test_gptq_keeps_the_int4_format_of_round_to_nearest():
+    x, w = _correlated_layer()
+    q, s, z = gptq.gptq_int4(w, x.T @ x / x.shape[0], 32)
+    q_rtn, s_rtn, z_rtn = lab.quantize_asymmetric(w, 4, 32)
+    assert q.dtype == q_rtn.dtype and s.dtype == s_rtn.dtype and z.dtype == z_rtn.dtype
+    assert q.shape == q_rtn.shape and s.shape == s_rtn.shape and z.shape == z_rtn.shape
+    assert int(q.max()) == 15 and int(q.min()) == 0
+    assert not torch.equal(q, q_rtn)                      # other integers: the point of it
+
+
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
+    """With H = I no input direction matters more than another: nothing to trade, so the same integers."""
+    _, w = _correlated_layer()
+    for group_size in (32, None):
+        for got, want in zip(gptq.gptq_int4(w, torch.eye(128), group_size), lab.quantize_asymmetric(w, 4, group_size)):
+            assert torch.equal(got, want)
 
 
 # -- KV cache -----------------------------------------------------------------------------------------
@@ -196,18 +251,26 @@ def test_scheme_table_on_a_tiny_model(tiny):
     rows = scheme_table(model, tok, schemes, max_tokens=1024, prompts=quality.PROMPTS[:3])
     fp32, int8, kv = rows
     assert fp32.exact_match == 1.0 and fp32.ratio == 1.0                  # the reference agrees with itself
-    assert int8.ratio > 1.0 and kv.ratio == 1.0 and kv.kv_bytes < fp32.kv_bytes / 3
+    assert int8.ratio == lab.state_dict_bytes(model) / lab.state_dict_bytes(lab.quantize_model(model, "int8"))
+    assert kv.ratio == 1.0 and kv.kv_bytes < fp32.kv_bytes / 3
     assert abs(int8.perplexity / fp32.perplexity - 1) < 0.05
     assert len(format_table(rows).splitlines()) == 4
 
 
-def test_gptq_model_keeps_the_int4_format(tiny):
+def test_gptq_model_keeps_the_int4_format_and_lowers_every_layers_error(tiny):
     model, tok = tiny
     ids = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
     q = gptq.gptq_quantize_model(model, ids, group_size=32)
     rtn = lab.quantize_model(model, "int4", group_size=32)
-    assert {k: v.shape for k, v in q.state_dict().items()} == {k: v.shape for k, v in rtn.state_dict().items()}
-    assert lab.state_dict_bytes(q) == lab.state_dict_bytes(rtn)
+    assert {k: (v.shape, v.dtype) for k, v in q.state_dict().items()} == \
+        {k: (v.shape, v.dtype) for k, v in rtn.state_dict().items()}
+    moments = gptq.input_moments(model, ids)                          # H = X^T X / n of each layer's inputs
+    layers = [name for name, m in q.named_modules() if isinstance(m, lab.QuantLinear)]
+    assert layers and all(q.get_submodule(name).calibration == "gptq" for name in layers)
+    for name in layers:                                               # E||X (W - W_hat)^T||^2 = tr(D H D^T)
+        w, H = model.get_submodule(name).weight.detach().float(), moments[name]
+        err = lambda m: torch.trace((d := w - m.get_submodule(name).dequantized_weight()) @ H @ d.T).item()
+        assert err(q) < 0.85 * err(rtn), name
 
 
 def test_perplexity_through_the_cache_equals_the_one_pass_figure(tiny):
@@ -218,3 +281,69 @@ def test_perplexity_through_the_cache_equals_the_one_pass_figure(tiny):
     assert abs(cached / one_pass - 1) < 1e-4
     int8_kv = cached_perplexity(model, tok, QuantizedKVCache.for_model, max_tokens=512, seq_len=128, chunk=32)
     assert int8_kv != cached and abs(int8_kv / cached - 1) < 0.01
+
+
+# -- imports: the int4 format sits below the quantizers and the kernel ------------------------------------
+PACKAGE = Path(lab.__file__).parent
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each infopt_lab module -> the infopt_lab modules it imports, at the top or inside a function."""
+    files = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = (name if path.name == "__init__.py" else name.rpartition(".")[0]).split(".")
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+                base = ".".join(p for p in (base, node.module) if p)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in files and t != name}
+    return graph
+
+
+@pytest.mark.parametrize("module", ["infopt_lab.quant_format", "infopt_lab.quantize", "infopt_lab.gptq",
+                                    "infopt_lab.kernels.int4_matmul"])
+def test_quantization_modules_are_in_no_import_cycle(module):
+    graph = _import_graph()
+    assert "infopt_lab.quant_format" in graph[module] or module == "infopt_lab.quant_format"
+    seen, todo = set(), list(graph[module])
+    while todo:                                          # every module `module` reaches through its imports
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph[m]
+    assert module not in seen, f"{module} imports itself back through {sorted(seen)}"
+
+
+IMPORT_CHECK = """
+import torch
+import {first}
+from infopt_lab.kernels.int4_matmul import int4_matmul_reference
+from infopt_lab.quantize import QuantLinear, dequantize, pack_int4, quantize_model, unpack_int4
+import infopt_lab as lab
+layer = lab.quantize_linear(torch.nn.Linear(64, 16), "int4", group_size=32)
+x = torch.randn(3, 64)
+torch.testing.assert_close(layer(x), int4_matmul_reference(x, layer.weight_q, layer.scales, layer.zeros) + layer.bias)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("first", ["infopt_lab.quantize", "infopt_lab.kernels.int4_matmul"])
+def test_quantize_and_the_int4_kernel_import_first_in_a_fresh_interpreter(first):
+    """A fresh interpreter, in which nothing of the package is imported yet when `first` is."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_CHECK.format(first=first)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_public_int4_names_are_the_format_modules():
+    from infopt_lab import quant_format, quantize
+    for name in ("pack_int4", "unpack_int4", "dequantize"):
+        assert getattr(lab, name) is getattr(quantize, name) is getattr(quant_format, name)

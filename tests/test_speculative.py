@@ -28,7 +28,7 @@ def test_greedy_speculative_equals_target_greedy(pair):
         want = lab.generate(target, tok, prompt, max_new_tokens=128, stop_at_eos=False).token_ids
         ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
         for k in (1, 2, 4, 8):
-            out = sp.speculative_generate(target, draft, ids, 128, k=k)
+            out = sp.speculative_generate(target, draft, ids, max_new_tokens=128, k=k)
             assert out.token_ids == want, (prompt, k)
             assert out.target_forwards == len(out.rounds) + 1          # one pass per round, plus the prefill
 
@@ -39,7 +39,7 @@ def test_tokens_per_pass_follow_the_formula(pair):
         rounds = []
         for prompt in PROMPTS[:6]:
             ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
-            rounds += sp.speculative_generate(target, draft, ids, 96, k=k).rounds
+            rounds += sp.speculative_generate(target, draft, ids, max_new_tokens=96, k=k).rounds
         run = sp.SpeculativeOutput([], k, rounds, 0, 0, 1.0)
         predicted = lab.expected_tokens_per_pass(run.acceptance_rate, k)
         assert abs(run.tokens_per_pass / predicted - 1) <= 0.10, (k, run.tokens_per_pass, predicted)
@@ -74,8 +74,8 @@ def test_verify_samples_from_the_target_distribution(p, q):
 def test_sampled_speculative_run_is_seeded_and_valid(pair):
     target, draft, tok = pair
     ids = torch.tensor([tok.encode("def parse(text):")], device=lab.get_device())
-    a = sp.speculative_generate(target, draft, ids, 40, k=3, temperature=0.8, seed=5)
-    b = sp.speculative_generate(target, draft, ids, 40, k=3, temperature=0.8, seed=5)
+    a = sp.speculative_generate(target, draft, ids, max_new_tokens=40, k=3, temperature=0.8, seed=5)
+    b = sp.speculative_generate(target, draft, ids, max_new_tokens=40, k=3, temperature=0.8, seed=5)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 40
 
 
@@ -86,7 +86,7 @@ def test_prompt_lookup_copies_repeated_code_and_keeps_greedy_tokens(pair):
               "def perimeter(shape):\n    if shape.kind == 'circle':\n")
     want = lab.generate(target, tok, prompt, max_new_tokens=64, stop_at_eos=False).token_ids
     ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
-    out = sp.prompt_lookup_generate(target, ids, 64, k=6)
+    out = sp.prompt_lookup_generate(target, ids, max_new_tokens=64, k=6)
     assert out.token_ids == want
     assert out.tokens_per_pass > 1.5 and out.draft_forwards == 0
 
@@ -106,12 +106,12 @@ def test_bad_input_is_refused(pair, tiny):
     target, draft, tok = pair
     ids = torch.tensor([tok.encode("x = 1")], device=lab.get_device())
     with pytest.raises(ValueError, match="k must be"):
-        sp.speculative_generate(target, draft, ids, 8, k=0)
+        sp.speculative_generate(target, draft, ids, max_new_tokens=8, k=0)
     with pytest.raises(ValueError, match="temperature"):
-        sp.speculative_generate(target, draft, ids, 8, temperature=-0.5)
+        sp.speculative_generate(target, draft, ids, max_new_tokens=8, temperature=-0.5)
     small = lab.Transformer(lab.get_preset("tiny"))             # a 512-token vocabulary
     with pytest.raises(ValueError, match="vocabulary"):
-        sp.speculative_generate(target, small, ids, 8)
+        sp.speculative_generate(target, small, ids, max_new_tokens=8)
     with pytest.raises(ValueError, match="alpha"):
         lab.expected_tokens_per_pass(1.5, 4)
     with pytest.raises(ValueError, match="k must be"):

@@ -1,35 +1,50 @@
-"""The engine loop: schedule a step, run it, sample, retire; and `Engine.generate` around it."""
+"""The engine loop: add requests, schedule a step, run it, sample, retire; and `Engine.generate` around it."""
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-import torch
+from torch import Tensor
 
 from ..device import synchronize
 from ..kv_cache import PagedKVCache
-from ..sampling import logits_to_probs
+from ..metrics import request_metrics
+from ..sampling import SamplingParams, check_request, make_generator, sample, sampling_params
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .scheduler import POLICIES, Batch, Scheduler
+from .scheduler import POLICIES, Batch
 from .sequence import Sequence, Status
 
 
 @dataclass
 class RequestOutput:
+    """One request's result: text, tokens, and its latency figures (metrics.py's definitions); `error` if refused."""
+
     request_id: int
     text: str
     token_ids: list[int]
     prompt_ids: list[int]
     ttft_s: float | None            # arrival -> first new token
-    latency_s: float | None         # arrival -> last new token
+    tpot_s: float | None            # mean gap between new tokens after the first
+    e2e_s: float | None             # arrival -> last new token
+    tokens_per_s: float | None      # new tokens / e2e_s
+    token_times_s: list[float] = field(default_factory=list, repr=False)  # from arrival
     preemptions: int = 0
     error: str | None = None        # why the request was refused; None when it completed
 
     @property
     def ok(self) -> bool:
+        """Whether the request was served."""
         return self.error is None
+
+
+class Outputs(list):
+    """`Engine.generate`'s result: one RequestOutput per prompt, in order, and the run's `stats`."""
+
+    def __init__(self, outputs, stats: "EngineStats"):
+        super().__init__(outputs)
+        self.stats = stats
 
 
 @dataclass
@@ -44,6 +59,8 @@ class StepRecord:
 
 @dataclass
 class EngineStats:
+    """What a run of the engine did: requests, tokens, steps, rows, preemptions, KV blocks, and a timeline."""
+
     requests: int = 0
     completed: int = 0
     failed: int = 0
@@ -59,8 +76,6 @@ class EngineStats:
     max_seq_len: int = 0
     kv_blocks_total: int = 0
     kv_blocks_peak: int = 0
-    eos_id: int | None = field(default=None, repr=False)
-    start: float = field(default=0.0, repr=False)          # perf_counter at the run's start
     timeline: list[StepRecord] = field(default_factory=list, repr=False)
 
     @property
@@ -97,20 +112,25 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Requests in, tokens out, one scheduled step at a time over a paged KV cache."""
+    """Requests in, tokens out, one scheduled step at a time over a paged KV cache (vLLM's loop).
+
+    `add_request(prompt, params)` queues a request, `step()` runs one step and returns the
+    requests that finished in it, `has_unfinished()` says whether any is left; `generate`
+    does all three for a list of prompts. `stats` covers everything since the clock was last reset.
+    """
 
     def __init__(self, model, tok, scheduler: str = "continuous", max_batch_size: int = 8, block_size: int = 16,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
         if scheduler not in POLICIES:
-            raise ValueError(f"scheduler must be one of {POLICIES}, got {scheduler!r}")
+            raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {scheduler!r}")
         for name, value in [("max_batch_size", max_batch_size), ("block_size", block_size)]:
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.model, self.tok = model, tok
         self.max_seq_len = model.config.max_seq_len
         if num_blocks is None:    # room for a full batch at full context: preemption never needed
             num_blocks = max_batch_size * -(-self.max_seq_len // block_size) + 1
-        if not isinstance(num_blocks, int) or num_blocks < 2:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), got {num_blocks!r}")
         budget = max_num_batched_tokens or max(256, max_batch_size)
         if budget < max_batch_size:
@@ -118,60 +138,128 @@ class LLMEngine:
         self.max_batch_size = max_batch_size
         self.blocks = BlockManager(num_blocks, block_size)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
-        self.scheduler = Scheduler(scheduler, self.blocks, max_batch_size, budget)
+        self.scheduler = POLICIES[scheduler](self.blocks, max_batch_size, budget)
         self.runner = ModelRunner(model, self.cache, self.blocks)
         self.device = self.runner.device
+        self.sequences: dict[int, Sequence] = {}    # every request added since the clock was reset
+        self.refused: list[Sequence] = []          # refused since the last step, reported by the next
+        self.reset_clock()
 
-    def fits(self, seq: Sequence) -> str | None:
-        """Why a request can never be served (None when it can)."""
-        if not seq.prompt_ids:
-            return "the prompt is empty: give at least one token"
-        vocab = self.model.config.vocab_size
-        bad = [t for t in seq.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            return f"token ids must be in [0, {vocab}), got {bad[:5]}"
-        if not isinstance(seq.max_new_tokens, int) or seq.max_new_tokens < 1:
-            return f"max_new_tokens must be a positive integer, got {seq.max_new_tokens!r}"
-        total = len(seq.prompt_ids) + seq.max_new_tokens
-        if total > self.max_seq_len:
-            return (f"prompt of {len(seq.prompt_ids)} tokens + max_new_tokens={seq.max_new_tokens} exceeds "
-                    f"the model's context of {self.max_seq_len} tokens")
+    def reset_clock(self) -> None:
+        """Start a new run: the clock (arrival times count from here) and fresh stats."""
+        synchronize(self.device)
+        self.start = time.perf_counter()
+        self.stats = EngineStats(max_batch_size=self.max_batch_size, block_size=self.blocks.block_size,
+                                 max_seq_len=self.max_seq_len, kv_blocks_total=self.blocks.capacity)
+        self.preempted_before = self.scheduler.preemptions
+
+    def now(self) -> float:
+        """Seconds since the clock was reset."""
+        return time.perf_counter() - self.start
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_s: float | None = None) -> int:
+        """Queue one request (text, or token ids); its id. One that can never be served is refused by the next step."""
+        params = sampling_params(params)
+        seq_id = len(self.sequences)
+        seq = Sequence(seq_id, self._ids(prompt), params, self.now() if arrival_s is None else float(arrival_s),
+                       params.stop_ids(self.tok.eos_token_id), make_generator(params.seed, self.device))
+        self.sequences[seq_id] = seq
+        self.stats.requests += 1
+        seq.error = self.why_unservable(seq)
+        if seq.error:
+            seq.status = Status.FAILED
+            self.refused.append(seq)
+        else:
+            self.scheduler.add(seq)
+        return seq_id
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is queued, running, or refused but not yet reported."""
+        return self.scheduler.has_work or bool(self.refused)
+
+    def why_unservable(self, seq: Sequence) -> str | None:
+        """Why a request can never be served (None when it can): the request check, then the KV pool's size."""
+        try:
+            check_request(seq.prompt_ids, seq.params, self.model.config)
+        except ValueError as e:
+            return str(e)
         need = self.blocks.blocks_for(seq.max_length)
         if need > self.blocks.capacity:
             return (f"it needs {need} KV blocks of {self.blocks.block_size} tokens but the pool has "
                     f"{self.blocks.capacity}; raise num_blocks or shorten the request")
         return None
 
-    def step(self, now: float, stats: EngineStats, sample_fn) -> list[Sequence] | None:
-        """Schedule and run one step; the sequences that finished in it, None when nothing could run."""
-        batch = self.scheduler.schedule(now)
-        if batch.empty:
-            return None
-        rows = self._rows(batch)
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; the outputs of the requests that finished in it (refused ones included)."""
+        finished, self.refused = self.refused, []
+        batch = self.scheduler.schedule(self.now())
+        if not batch.empty:
+            finished += self._run(batch)
+        self.stats.wall_s = self.now()
+        for seq in finished:
+            self._count(seq)
+        return [self.output(s) for s in finished]
+
+    def _run(self, batch: Batch) -> list[Sequence]:
+        """Run a scheduled batch, sample a token for every chunk that reached its sequence's end; who finished."""
+        start, rows = self.now(), self._rows(batch)
         logits = self.runner.run(batch)                     # (R, V): one row per chunk that samples
         sampling = [c.seq for c in batch.chunks if c.samples]
         for chunk in batch.chunks:
             chunk.seq.num_computed += chunk.num_tokens
-        tokens = sample_fn(logits, sampling).tolist() if sampling else []
+        tokens = self._sample(logits, sampling)
         synchronize(self.device)
-        t = time.perf_counter() - stats.start
+        t = self.now()
         finished = []
         for seq, token in zip(sampling, tokens):
             seq.output_ids.append(token)
-            if seq.first_token_s is None:
-                seq.first_token_s = t
-            if len(seq.output_ids) >= seq.max_new_tokens or token == stats.eos_id:
-                seq.finish_s = t
+            seq.token_times_s.append(t)
+            if len(seq.output_ids) >= seq.max_new_tokens or token in seq.stop_ids:
                 self.scheduler.retire(seq)
                 finished.append(seq)
         running = self.scheduler.running
-        stats.timeline.append(StepRecord(now, t, rows, sum(s.num_computed for s in running),
-                                         self.blocks.num_used, len(running)))
-        stats.steps += 1
-        stats.sampled_rows += len(sampling)
-        stats.padding_rows += len(batch.padding)
-        stats.kv_blocks_peak = max(stats.kv_blocks_peak, self.blocks.num_used)
+        self.stats.timeline.append(StepRecord(start, t, rows, sum(s.num_computed for s in running),
+                                              self.blocks.num_used, len(running)))
+        self.stats.steps += 1
+        self.stats.sampled_rows += len(sampling)
+        self.stats.padding_rows += len(batch.padding)
+        self.stats.kv_blocks_peak = max(self.stats.kv_blocks_peak, self.blocks.num_used)
+        self.stats.preemptions = self.scheduler.preemptions - self.preempted_before
         return finished
+
+    @staticmethod
+    def _sample(logits: Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row with each request's own settings and generator; all-greedy rows in one argmax."""
+        if not seqs:
+            return []
+        if all(s.params.greedy for s in seqs):
+            return sample(logits, seqs[0].params).tolist()
+        return [int(sample(row, s.params, s.generator)) for row, s in zip(logits, seqs)]
+
+    def _count(self, seq: Sequence) -> None:
+        """Add a finished or refused request to the stats."""
+        self.stats.completed += seq.status is Status.FINISHED
+        self.stats.failed += seq.status is Status.FAILED
+        self.stats.generated_tokens += len(seq.output_ids)
+        self.stats.recomputed_tokens += seq.recomputed_tokens
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """A request's RequestOutput, its latency figures measured from its arrival."""
+        m = request_metrics(seq.arrival_s, seq.token_times_s) if seq.token_times_s else None
+        return RequestOutput(seq.seq_id, self.tok.decode(seq.output_ids, skip_special_tokens=True),
+                             list(seq.output_ids), list(seq.prompt_ids),
+                             m and m.ttft_s, m and m.tpot_s, m and m.e2e_s, m and m.tokens_per_s,
+                             [x - seq.arrival_s for x in seq.token_times_s], seq.preemptions, seq.error)
+
+    def _ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tok.encode(prompt) if prompt else []       # encode adds the BOS token
+        if isinstance(prompt, Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return [int(t) for t in prompt]
 
     @staticmethod
     def _rows(batch: Batch) -> list[tuple[int, int, str]]:
@@ -180,90 +268,58 @@ class LLMEngine:
 
 
 class Engine(LLMEngine):
-    """`lab.Engine(model, tok, scheduler="continuous").generate(prompts, max_new_tokens=64)`."""
+    """`lab.Engine(model, tok, scheduler="continuous").generate(prompts, lab.SamplingParams(max_new_tokens=64))`."""
 
-    def generate(self, prompts: Seq[str] | Seq[list[int]], max_new_tokens: int | Seq[int] = 64,
-                 temperature: float = 0.0, arrival_s: Seq[float] | None = None, seed: int = 0,
-                 stop_at_eos: bool = True, progress: bool = False) -> list[RequestOutput]:
-        """Serve every prompt; one output per prompt, in order. Refused requests carry `error`."""
+    def generate(self, prompts: Seq[str] | Seq[list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 arrival_s: Seq[float] | None = None, progress: bool = False, **overrides) -> Outputs:
+        """Serve every prompt; one output per prompt, in order, with the run's `stats`. Refused requests carry `error`.
+
+        `params` is one SamplingParams for all, or one per prompt; keyword overrides (SamplingParams
+        fields) apply to all, and `max_new_tokens` may be a list with one length per prompt.
+        """
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings (or of token-id lists), not one string")
         prompts = list(prompts)
-        n = len(prompts)
-        news = list(max_new_tokens) if isinstance(max_new_tokens, Seq) else [max_new_tokens] * n
-        arrivals = [0.0] * n if arrival_s is None else [float(a) for a in arrival_s]
-        if len(news) != n or len(arrivals) != n:
-            raise ValueError(f"got {n} prompts, {len(news)} max_new_tokens and {len(arrivals)} arrival times; "
-                             "give one per prompt")
-        if temperature is None or temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-        seqs = [Sequence(i, self._ids(p), m, a) for i, (p, m, a) in enumerate(zip(prompts, news, arrivals))]
-        self.stats = self._serve(seqs, temperature, seed, stop_at_eos, progress)
-        return [self._output(s) for s in seqs]
-
-    def _ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tok.encode(prompt) if prompt else []       # encode adds the BOS token
-        return [int(t) for t in prompt]
-
-    def _serve(self, seqs: list[Sequence], temperature: float, seed: int, stop_at_eos: bool,
-               progress: bool) -> EngineStats:
-        stats = EngineStats(requests=len(seqs), max_batch_size=self.max_batch_size,
-                            block_size=self.blocks.block_size, max_seq_len=self.max_seq_len,
-                            kv_blocks_total=self.blocks.capacity)
-        stats.eos_id = self.tok.eos_token_id if stop_at_eos else None
-        for seq in sorted(seqs, key=lambda s: s.arrival_s):
-            seq.error = self.fits(seq)
-            if seq.error:
-                seq.status = Status.FAILED
-            else:
-                self.scheduler.add(seq)
-        sample_fn = _sampler(temperature, seed, self.device)
-        preempted_before = self.scheduler.preemptions
-        bar = _progress(sum(not s.error for s in seqs), progress)
-        synchronize(self.device)
-        stats.start = time.perf_counter()
-        while self.scheduler.has_work:
-            now = time.perf_counter() - stats.start
-            finished = self.step(now, stats, sample_fn)
-            if finished is not None:
-                if bar is not None:
-                    bar.update(len(finished))
-            else:                                              # nothing runnable: wait for the next arrival
-                nxt = self.scheduler.next_arrival()
-                if nxt is None:
-                    raise RuntimeError("the scheduler has queued work but can run none of it")
-                time.sleep(max(0.0, nxt - (time.perf_counter() - stats.start)))
-        stats.wall_s = time.perf_counter() - stats.start
+        per_request = self._per_request(len(prompts), params, arrival_s, overrides)
+        self.sequences, self.refused = {}, []
+        self.reset_clock()
+        ids = [self.add_request(p, ps, a) for p, (ps, a) in zip(prompts, per_request)]
+        self.start = time.perf_counter()            # the clock starts once every request is in (tokenized)
+        bar = _progress(len(ids), progress)
+        while self.has_unfinished():
+            done = self.step()
+            if bar is not None:
+                bar.update(len(done))
+            if not done and self.scheduler.has_work and not self.scheduler.running:
+                self._wait_for_arrival()
         if bar is not None:
             bar.close()
-        stats.completed = sum(s.status is Status.FINISHED for s in seqs)
-        stats.failed = sum(s.status is Status.FAILED for s in seqs)
-        stats.generated_tokens = sum(len(s.output_ids) for s in seqs)
-        stats.preemptions = self.scheduler.preemptions - preempted_before
-        stats.recomputed_tokens = sum(s.recomputed_tokens for s in seqs)
-        return stats
+        return Outputs([self.output(self.sequences[i]) for i in ids], self.stats)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.seq_id, self.tok.decode(seq.output_ids, skip_special_tokens=True),
-                             list(seq.output_ids), list(seq.prompt_ids), seq.ttft_s, seq.latency_s,
-                             seq.preemptions, seq.error)
+    def _per_request(self, n: int, params, arrival_s, overrides: dict) -> list[tuple[SamplingParams, float]]:
+        """(params, arrival) for each of n prompts, every list checked to hold one entry per prompt."""
+        lengths = overrides.pop("max_new_tokens", None)
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params] * n
+        params = list(params)
+        if isinstance(lengths, Seq):
+            lengths = list(lengths)
+        else:
+            lengths = [lengths] * n
+        arrivals = [0.0] * n if arrival_s is None else [float(a) for a in arrival_s]
+        if not len(params) == len(lengths) == len(arrivals) == n:
+            raise ValueError(f"got {n} prompts, {len(params)} params, {len(lengths)} max_new_tokens and "
+                             f"{len(arrivals)} arrival times; give one per prompt")
+        extra = [{} if m is None else {"max_new_tokens": m} for m in lengths]
+        return [(sampling_params(p, **overrides, **e), a) for p, e, a in zip(params, extra, arrivals)]
 
-
-def _sampler(temperature: float, seed: int, device):
-    """Greedy argmax, or a draw with one seeded generator per request (so batching cannot change it)."""
-    if temperature == 0:
-        return lambda logits, seqs: logits.argmax(-1)
-    generators: dict[int, torch.Generator] = {}
-
-    def sample(logits, seqs):
-        probs = logits_to_probs(logits, temperature)
-        out = []
-        for row, seq in zip(probs, seqs):
-            g = generators.setdefault(seq.seq_id, torch.Generator(device=device).manual_seed(seed + seq.seq_id))
-            out.append(torch.multinomial(row, 1, generator=g))
-        return torch.cat(out)
-    return sample
+    def _wait_for_arrival(self) -> None:
+        """Nothing can run until the next request arrives: wait for it."""
+        nxt = self.scheduler.next_arrival()
+        if nxt is None:
+            raise RuntimeError("the scheduler has queued work but can run none of it")
+        time.sleep(max(0.0, nxt - self.now()))
 
 
 def _progress(total: int, show: bool):

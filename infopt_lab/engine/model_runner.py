@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..attention import attend
 from ..device import HAS_TRITON
 from ..kv_cache import PagedKVCache
 from .block_manager import BlockManager
@@ -21,9 +22,7 @@ PAD_SLOT = 0  # block 0, row 0: where padding rows write their throw-away keys a
 
 
 class PagedAttention:
-    """The attention of one step over the paged cache; the model calls `attend` in every layer."""
-
-    paged = True
+    """The attention of one step over the paged cache: the cache the model is handed (attention.py's contract)."""
 
     def __init__(self, cache: PagedKVCache, slots: Tensor, decode_rows: Tensor | None,
                  decode_tables: Tensor | None, decode_lens: Tensor | None, decode_mask: Tensor | None,
@@ -35,10 +34,11 @@ class PagedAttention:
         self.decode_tables = decode_tables    # [B_dec, n_blocks] block tables, padded with block 0
         self.decode_lens = decode_lens        # [B_dec] cached tokens of each decode row, the new one included
         self.decode_mask = decode_mask        # [B_dec, 1, 1, S] True where a cached key is real
-        self.prefill = prefill                # (first row, n tokens, block table [1, n_blocks], mask or None)
+        self.prefill = prefill                # (first row, n tokens, block table [1, n_blocks], cached keys S)
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # q: [1, H, N, D]; k, v: [1, H_kv, N, D] for the N tokens of this step
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        """Write the step's keys and values to their slots, then attend each sequence over its own cache."""
+        # q: [1, H, N, D]; k, v: [1, H_kv, N, D] for the N tokens of this step (input_pos: their positions)
         self.cache.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, H_kv, D)
         gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)                                                          # (1, H, N, D)
@@ -53,12 +53,9 @@ class PagedAttention:
             qd = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)                    # (B_dec, H, 1, D)
             y = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=self.decode_mask, enable_gqa=gqa)
             out[0, :, self.decode_rows] = y[:, :, 0].transpose(0, 1)                       # (H, B_dec, D)
-        for start, n, table, mask in self.prefill:
-            kc, vc = self.cache.gather(layer, table)                                       # (1, H_kv, S, D)
-            S = n if mask is None else mask.shape[-1]
-            y = F.scaled_dot_product_attention(q[:, :, start:start + n], kc[:, :, :S], vc[:, :, :S],
-                                               attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-            out[:, :, start:start + n] = y                                                 # (1, H, n, D)
+        for start, n, table, S in self.prefill:
+            kc, vc = self.cache.gather(layer, table)                                       # (1, H_kv, S', D)
+            out[:, :, start:start + n] = attend(q[:, :, start:start + n], kc[:, :, :S], vc[:, :, :S])  # (1, H, n, D)
         return out
 
 
@@ -67,6 +64,9 @@ class ModelRunner:
         self.model, self.cache, self.blocks = model, cache, blocks
         self.device = next(model.parameters()).device
         # the Triton paged decode kernel on CUDA (compiled); the gather path elsewhere unless asked
+        if paged_kernel and not HAS_TRITON:
+            raise RuntimeError("paged_kernel=True needs Triton, which is not installed here; "
+                               "leave paged_kernel=None for the gather path")
         self.paged_kernel = HAS_TRITON and self.device.type == "cuda" if paged_kernel is None else paged_kernel
 
     @torch.inference_mode()
@@ -84,7 +84,7 @@ class ModelRunner:
             if n == 1:
                 dec_rows.append(row), dec_tables.append(table), dec_lens.append(start + 1)
             else:
-                prefill.append((row, n, self._tensor([table]), self._prefill_mask(start, n)))
+                prefill.append((row, n, self._tensor([table]), start + n))
             if chunk.samples:
                 out_rows.append(row + n - 1)
         for _ in batch.padding:                   # finished rows of a static batch: computed, discarded
@@ -92,18 +92,11 @@ class ModelRunner:
             ids.append(0), pos.append(0), slots.append(PAD_SLOT)
         ctx = PagedAttention(self.cache, self._tensor(slots), *self._decode_meta(dec_rows, dec_tables, dec_lens),
                              prefill, use_kernel=self.paged_kernel)
-        logits = self.model(self._tensor([ids]), self._tensor(pos), ctx, output_rows=self._tensor(out_rows))
-        return logits[0]                                                                   # (R, V)
+        h = self.model.hidden_states(self._tensor([ids]), self._tensor(pos), ctx)         # (1, N, C)
+        return self.model.logits(h[0, self._tensor(out_rows)])                             # (R, V)
 
     def _tensor(self, values) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def _prefill_mask(self, start: int, n: int) -> Tensor | None:
-        """None for a chunk starting at position 0 (plain causal); else which cached keys each query sees."""
-        if start == 0:
-            return None
-        keys = torch.arange(start + n, device=self.device)
-        return keys[None, :] <= torch.arange(start, start + n, device=self.device)[:, None]  # (n, S)
 
     def _decode_meta(self, rows: list[int], tables: list[list[int]], lens: list[int]):
         if not rows:

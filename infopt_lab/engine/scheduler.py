@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
-POLICIES = ("continuous", "static")
-
-
 @dataclass
 class Chunk:
     seq: Sequence
@@ -46,22 +43,25 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, policy: str, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
-        if policy not in POLICIES:
-            raise ValueError(f"scheduler must be one of {POLICIES}, got {policy!r}")
-        self.policy, self.blocks = policy, blocks
+    """Feeds running sequences, admits waiting ones, preempts under KV pressure; a policy subclass says when."""
+
+    name = ""
+
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
+        self.blocks = blocks
         self.max_batch_size, self.max_num_batched_tokens = max_batch_size, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()    # first come, first served
         self.running: list[Sequence] = []          # in admission order: the newest is preempted first
-        self.members: list[Sequence] = []          # static: the current fixed batch
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a request."""
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or any(not s.done for s in self.members))
+        """Whether any request is queued or running."""
+        return bool(self.waiting or self.running)
 
     def next_arrival(self) -> float | None:
         """When the next queued request arrives (None when nothing is queued)."""
@@ -69,8 +69,6 @@ class Scheduler:
 
     def schedule(self, now: float) -> Batch:
         """The chunks to compute in the next step."""
-        if self.policy == "static" and all(s.done for s in self.members):
-            self._form_batch(now)
         batch, budget = Batch(), self.max_num_batched_tokens
         for seq in list(self.running):                       # oldest first
             if seq.status is not Status.RUNNING:             # preempted for an older one just now
@@ -90,42 +88,20 @@ class Scheduler:
             self.blocks.allocate(seq.seq_id, n)
             batch.chunks.append(Chunk(seq, n))
             budget -= n
-        if self.policy == "static":
-            batch.padding = [s for s in self.members if s.status is Status.FINISHED]
         return batch
 
     def retire(self, seq: Sequence) -> None:
-        """A sequence finished: free its blocks, and its slot too under continuous batching."""
+        """A sequence finished: free its blocks."""
         seq.status = Status.FINISHED
         self.blocks.free(seq.seq_id)
         self.running.remove(seq)
-        if self.policy == "continuous":
-            seq.slot = None
 
-    # -- internals ----------------------------------------------------------------------
+    # -- what the policies decide ------------------------------------------------------
     def _candidates(self, now: float) -> list[Sequence]:
         """Sequences that may be admitted now, in order."""
-        if self.policy == "static":
-            return [s for s in self.members if s.status is Status.WAITING]
-        ready = []
-        for seq in self.waiting:
-            if seq.arrival_s > now:
-                break
-            ready.append(seq)
-        return ready
-
-    def _form_batch(self, now: float) -> None:
-        self.members = []
-        while self.waiting and self.waiting[0].arrival_s <= now and len(self.members) < self.max_batch_size:
-            seq = self.waiting.popleft()
-            seq.slot = len(self.members)
-            self.members.append(seq)
+        raise NotImplementedError
 
     def _admit(self, seq: Sequence) -> None:
-        if self.policy == "continuous":
-            self.waiting.remove(seq)
-            taken = {s.slot for s in self.running}
-            seq.slot = next(i for i in range(self.max_batch_size) if i not in taken)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -140,7 +116,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and queue it again; its cache is recomputed on return."""
+        """Free a running sequence's blocks; its cache is recomputed when it runs again."""
         self.blocks.free(seq.seq_id)
         self.running.remove(seq)
         seq.recomputed_tokens += seq.num_computed
@@ -148,6 +124,71 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
-        if self.policy == "continuous":
-            seq.slot = None
-            self.waiting.appendleft(seq)
+
+
+class ContinuousScheduler(Scheduler):
+    """Admits and retires at every step, so a finished request's slot is refilled at once."""
+
+    name = "continuous"
+
+    def retire(self, seq: Sequence) -> None:
+        """Free its blocks and its slot."""
+        super().retire(seq)
+        seq.slot = None
+
+    def _candidates(self, now: float) -> list[Sequence]:
+        """Queued requests that have arrived, first come first served."""
+        ready = []
+        for seq in self.waiting:
+            if seq.arrival_s > now:
+                break
+            ready.append(seq)
+        return ready
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        taken = {s.slot for s in self.running}
+        seq.slot = next(i for i in range(self.max_batch_size) if i not in taken)
+        super()._admit(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        super()._preempt(seq)
+        seq.slot = None
+        self.waiting.appendleft(seq)
+
+
+class StaticScheduler(Scheduler):
+    """Forms a fixed batch and admits nothing until all of it has finished; finished rows ride along as padding."""
+
+    name = "static"
+
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
+        super().__init__(blocks, max_batch_size, max_num_batched_tokens)
+        self.members: list[Sequence] = []          # the current fixed batch
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is queued, running, or a member of the batch still to finish."""
+        return super().has_work or any(not s.done for s in self.members)
+
+    def schedule(self, now: float) -> Batch:
+        """Form a new batch when the last one is done; finished members are computed and thrown away."""
+        if all(s.done for s in self.members):
+            self._form_batch(now)
+        batch = super().schedule(now)
+        batch.padding = [s for s in self.members if s.status is Status.FINISHED]
+        return batch
+
+    def _form_batch(self, now: float) -> None:
+        self.members = []
+        while self.waiting and self.waiting[0].arrival_s <= now and len(self.members) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            seq.slot = len(self.members)
+            self.members.append(seq)
+
+    def _candidates(self, now: float) -> list[Sequence]:
+        """Members of the batch not yet running (all of them at first, preempted ones later)."""
+        return [s for s in self.members if s.status is Status.WAITING]
+
+
+POLICIES = {"continuous": ContinuousScheduler, "static": StaticScheduler}

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
+from ..sampling import SamplingParams
+
 
 class Status(Enum):
     WAITING = "waiting"      # queued, or preempted and queued again; holds no KV blocks
@@ -14,19 +18,27 @@ class Status(Enum):
 
 @dataclass(eq=False)
 class Sequence:
+    """A request inside the engine: its tokens so far, its settings, its place in the cache and its timings."""
+
     seq_id: int
     prompt_ids: list[int]
-    max_new_tokens: int
-    arrival_s: float = 0.0                  # when the request arrives, seconds after the run starts
+    params: SamplingParams
+    arrival_s: float = 0.0                  # when the request arrives, seconds after the engine's clock started
+    stop_ids: frozenset[int] = frozenset()  # token ids that end it (its stop tokens and, usually, EOS)
+    generator: torch.Generator | None = field(default=None, repr=False)  # its own, seeded: batching cannot change it
     output_ids: list[int] = field(default_factory=list)
+    token_times_s: list[float] = field(default_factory=list)            # when each new token was ready
     status: Status = Status.WAITING
     num_computed: int = 0                   # tokens whose keys and values are in the cache
     slot: int | None = None                 # batch row while running (for the Gantt chart)
-    first_token_s: float | None = None      # seconds after the run started
-    finish_s: float | None = None
     preemptions: int = 0
     recomputed_tokens: int = 0              # cache work redone after preemptions
     error: str | None = None
+
+    @property
+    def max_new_tokens(self) -> int:
+        """New tokens the request asked for at most."""
+        return self.params.max_new_tokens
 
     @property
     def all_ids(self) -> list[int]:
@@ -49,11 +61,3 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.status in (Status.FINISHED, Status.FAILED)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-    @property
-    def latency_s(self) -> float | None:
-        return None if self.finish_s is None else self.finish_s - self.arrival_s

@@ -23,6 +23,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..attention import causal_mask
+
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
     """Raise ValueError naming the first shape, dtype or device mismatch."""
@@ -47,11 +49,6 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Non
 
 def _expand_kv(k: Tensor, n_heads: int) -> Tensor:
     return k.repeat_interleave(n_heads // k.shape[1], dim=1)          # (B, H, N_k, D)
-
-
-def causal_mask(n_q: int, n_k: int, device=None) -> Tensor:
-    """[n_q, n_k] True where query i may see key j (bottom-right aligned)."""
-    return torch.arange(n_k, device=device)[None, :] <= torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:

@@ -27,17 +27,31 @@ if HAS_TRITON:
 
     @triton.jit
     def _flash_attention_fwd(
-        Q, K, V, O,                                   # pointers: q, o [B, H, N_Q, D]; k, v [B, H_KV, N_K, D]
-        stride_qb, stride_qh, stride_qn,              # q strides (elements) over batch, head, position
-        stride_kb, stride_kh, stride_kn,              # k strides
-        stride_vb, stride_vh, stride_vn,              # v strides
-        stride_ob, stride_oh, stride_on,              # o strides; the head dim of all four is contiguous
-        H, N_Q, N_K,                                  # query heads, query length, key length
+        Q,                                            # queries q [B, H, N_Q, D]
+        K,                                            # keys k [B, H_KV, N_K, D]
+        V,                                            # values v [B, H_KV, N_K, D]
+        O,                                            # output o [B, H, N_Q, D], q's dtype
+        stride_qb,                                    # q stride over batch (elements)
+        stride_qh,                                    # q stride over heads
+        stride_qn,                                    # q stride over positions; the head dim is contiguous
+        stride_kb,                                    # k stride over batch
+        stride_kh,                                    # k stride over KV heads
+        stride_kn,                                    # k stride over positions; the head dim is contiguous
+        stride_vb,                                    # v stride over batch
+        stride_vh,                                    # v stride over KV heads
+        stride_vn,                                    # v stride over positions; the head dim is contiguous
+        stride_ob,                                    # o stride over batch
+        stride_oh,                                    # o stride over heads
+        stride_on,                                    # o stride over positions; the head dim is contiguous
+        H,                                            # query heads
+        N_Q,                                          # query length
+        N_K,                                          # key length (>= N_Q when CAUSAL)
         qk_scale,                                     # 1 / sqrt(D) * log2(e): scores come out in base 2
         GROUP: tl.constexpr,                          # query heads sharing one KV head (H / H_KV)
         CAUSAL: tl.constexpr,                         # mask keys after each query (bottom-right aligned)
         D: tl.constexpr,                              # head dim, a power of two in 16..128
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query rows per program, keys per inner step
+        BLOCK_M: tl.constexpr,                        # query rows per program
+        BLOCK_N: tl.constexpr,                        # keys per inner step
         PRECISION: tl.constexpr,                      # "ieee" for exact fp32 dots, "tf32" otherwise
     ):
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from ..device import HAS_TRITON
+from ..quant_format import dequantize, unpack_int4   # the format only: the quantizers import this module
 from . import require_interpreter
-from ..quantize import dequantize, unpack_int4
 
 
 def int4_matmul_reference(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
@@ -27,11 +27,27 @@ if HAS_TRITON:
 
     @triton.jit
     def _int4_matmul_kernel(
-        x_ptr, w_ptr, s_ptr, z_ptr, y_ptr,        # x [M, K], packed w [N, K/2], scales/zeros [N, K/G], y [M, N]
-        M, N, K,                                  # problem size
-        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg, stride_ym, stride_yn,
-        GROUP: tl.constexpr,                      # quantization group size along K
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr,                     # activations x [M, K]
+        w_ptr,                     # packed weight [N, K/2] uint8: w[n, k] is nibble k % 2 of byte k // 2
+        s_ptr,                     # scales [N, K/G]
+        z_ptr,                     # zero points [N, K/G] uint8, same strides as the scales
+        y_ptr,                     # output y [M, N], in x's dtype
+        M,                         # rows of x (tokens)
+        N,                         # output features (rows of W)
+        K,                         # input features (even: two per packed byte)
+        stride_xm,                 # x stride over rows (elements)
+        stride_xk,                 # x stride over input features
+        stride_wn,                 # packed-weight stride over output features (bytes)
+        stride_wk,                 # packed-weight stride over bytes along K
+        stride_sn,                 # scale and zero stride over output features
+        stride_sg,                 # scale and zero stride over groups
+        stride_ym,                 # y stride over rows
+        stride_yn,                 # y stride over output features
+        GROUP: tl.constexpr,       # quantization group size G along K (K / number of scale columns)
+        BLOCK_M: tl.constexpr,     # rows of x per program (a power of two, >= 16 for tl.dot)
+        BLOCK_N: tl.constexpr,     # output features per program (a power of two, >= 16)
+        BLOCK_K: tl.constexpr,     # input features per inner step (a power of two, >= 16)
+        PRECISION: tl.constexpr,   # "ieee" for exact fp32 dots, "tf32" otherwise
     ):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # rows of x and y
@@ -49,7 +65,7 @@ if HAS_TRITON:
             s = tl.load(s_ptr + rn[:, None] * stride_sn + g * stride_sg, mask=wmask, other=0.0)
             z = tl.load(z_ptr + rn[:, None] * stride_sn + g * stride_sg, mask=wmask, other=0)
             w = (q.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)         # (BLOCK_N, BLOCK_K)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w))
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision=PRECISION)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
                  acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -68,6 +84,9 @@ def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
     if scales.shape != zeros.shape or scales.shape[0] != N or K % scales.shape[1]:
         raise ValueError(f"scales and zeros must be [N, K/G] with G dividing K={K}, got "
                          f"{tuple(scales.shape)} and {tuple(zeros.shape)}")
+    if zeros.stride() != scales.stride():                          # the kernel reads both with one set of strides
+        raise ValueError(f"scales and zeros must share strides, got {scales.stride()} and {zeros.stride()}; "
+                         f"call .contiguous() on both")
     group = K // scales.shape[1]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
@@ -75,5 +94,6 @@ def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
         x, packed, scales, zeros, y, M, N, K,
         x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
         scales.stride(0), scales.stride(1), y.stride(0), y.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return y

@@ -39,16 +39,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_decode_kernel(
-        Q, K_CACHE, V_CACHE, O,                 # q, o [B, H, D]; caches [N_BLOCKS, BLOCK_SIZE, H_KV, D]
-        BLOCK_TABLES, SEQ_LENS,                 # [B, MAX_BLOCKS] block ids; [B] tokens in each sequence
-        stride_qb, stride_qh,                   # q strides (elements)
-        stride_cb, stride_cs, stride_ch,        # cache strides over block, row in block, KV head
+        Q,                                      # queries q [B, H, D]: one decode position per sequence
+        K_CACHE,                                # key cache [N_BLOCKS, BLOCK_SIZE, H_KV, D]
+        V_CACHE,                                # value cache, same shape and strides as K_CACHE
+        O,                                      # output o [B, H, D], q's dtype
+        BLOCK_TABLES,                           # [B, MAX_BLOCKS] int32: the cache blocks of each sequence, in order
+        SEQ_LENS,                               # [B] int32: tokens cached for each sequence (>= 1)
+        stride_qb,                              # q stride over sequences (elements)
+        stride_qh,                              # q stride over heads; the head dim is contiguous
+        stride_cb,                              # cache stride over blocks
+        stride_cs,                              # cache stride over rows within a block
+        stride_ch,                              # cache stride over KV heads; the head dim is contiguous
         stride_tb,                              # block-table stride over sequences
-        stride_ob, stride_oh,                   # o strides
-        qk_scale,                               # 1 / sqrt(D) * log2(e)
-        GROUP: tl.constexpr,                    # query heads per KV head
-        D: tl.constexpr,                        # head dim (power of two)
-        BLOCK_SIZE: tl.constexpr,               # tokens per cache block (power of two)
+        stride_ob,                              # o stride over sequences
+        stride_oh,                              # o stride over heads
+        qk_scale,                               # 1 / sqrt(D) * log2(e): scores come out in base 2
+        GROUP: tl.constexpr,                    # query heads per KV head (H / H_KV)
+        D: tl.constexpr,                        # head dim (a power of two)
+        BLOCK_SIZE: tl.constexpr,               # tokens per cache block (a power of two)
     ):
         b, h = tl.program_id(0), tl.program_id(1)
         kv_h = h // GROUP

@@ -7,6 +7,8 @@ the whole row in registers, which is what lets attention tile its score matrix.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -20,7 +22,8 @@ def online_softmax_reference(x: Tensor, block: int = 4) -> tuple[Tensor, list[tu
     for start in range(0, x.numel(), block):
         chunk = x[start:start + block].double()
         m_new = max(m, chunk.max().item())
-        l = l * torch.exp(torch.tensor(m - m_new)).item() + torch.exp(chunk - m_new).sum().item()
+        shift = m_new if m_new > float("-inf") else 0.0           # all -inf so far: exp(-inf - -inf) is NaN
+        l = l * math.exp(m - shift) + torch.exp(chunk - shift).sum().item()
         m = m_new
         trace.append((m, l))
     return (torch.exp(x.double() - m) / l).to(x.dtype), trace
@@ -32,9 +35,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _softmax_rows_kernel(
-        X, Y,                          # pointers: x and y [R, C]
-        stride_x, stride_y,            # row strides (elements); columns are contiguous
-        C,                             # columns per row
+        X,                             # input x [R, C], one row per program
+        Y,                             # output y [R, C], softmax of each row, in y's dtype
+        stride_x,                      # x stride over rows (elements); columns are contiguous
+        stride_y,                      # y stride over rows (elements); columns are contiguous
+        C,                             # columns per row (any size: the last block is masked)
         BLOCK: tl.constexpr,           # columns loaded per step (a power of two)
         VERBOSE: tl.constexpr,         # print row 0's running max and sum after every block
     ):
@@ -45,7 +50,8 @@ if HAS_TRITON:
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(X + row * stride_x + cols, mask=cols < C, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)   # all -inf so far: exp(-inf - -inf) is NaN
+            l = l * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
             m = m_new
             if VERBOSE:
                 if row == 0:

@@ -1,0 +1,54 @@
+"""How quantized weights are stored and read back: int4 values two per byte, and w ~ (q - zero) * scale.
+
+The quantizers (`quantize.py`, `gptq.py`) write this format; `QuantLinear` and the int4
+Triton kernel (`kernels/int4_matmul.py`) read it. It sits below all of them and imports
+none of them, so the kernel can read the format without importing the quantizers that
+dispatch to it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+# -- int4 packing: two 4-bit values per byte -------------------------------------------------------
+def pack_int4(q: Tensor) -> Tensor:
+    """Pack values 0..15 along the last dim, two per byte (low nibble first): [..., K] -> [..., ceil(K/2)] uint8."""
+    if q.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"pack_int4 takes an integer tensor, got {q.dtype}")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError(f"pack_int4 takes values 0..15, got values in {int(q.min())}..{int(q.max())}")
+    q = q.to(torch.uint8)
+    if q.shape[-1] % 2:                                           # odd length: pad one zero nibble
+        q = F.pad(q, (0, 1))
+    return q[..., 0::2] | (q[..., 1::2] << 4)                     # (..., ceil(K/2))
+
+
+def unpack_int4(packed: Tensor, length: int | None = None) -> Tensor:
+    """Inverse of pack_int4: [..., B] uint8 -> [..., length] uint8 (length defaults to 2*B)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_int4 takes a uint8 tensor, got {packed.dtype}")
+    n = packed.shape[-1] * 2
+    length = n if length is None else length
+    if not n - 1 <= length <= n:
+        raise ValueError(f"length must be {n - 1} or {n} for {packed.shape[-1]} packed bytes, got {length}")
+    q = torch.stack((packed & 0x0F, packed >> 4), dim=-1)        # (..., B, 2)
+    return q.flatten(-2)[..., :length]                            # (..., length)
+
+
+# -- integers back to floats -----------------------------------------------------------------------
+def dequantize(q: Tensor, scale: Tensor, zero: Tensor | None = None,
+               dtype: torch.dtype | None = None) -> Tensor:
+    """w ~ (q - zero) * scale, with the group size read from the shapes: q [N, K], scale [N, K/G] -> [N, K]."""
+    dtype = dtype or scale.dtype
+    N, K = q.shape
+    if scale.numel() == 1:                                        # per-tensor
+        scale = scale.reshape(1, 1)
+        zero = zero.reshape(1, 1) if zero is not None else None
+        g = q.reshape(1, 1, -1).float()
+    else:
+        g = q.reshape(N, scale.shape[-1], -1).float()             # (N, K/G, G)
+    if zero is not None:
+        g = g - zero.float()[..., None]
+    return (g * scale.float()[..., None]).reshape(N, K).to(dtype)
