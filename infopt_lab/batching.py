@@ -9,14 +9,17 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 
 def _check_lengths(request_lengths: Sequence[int], batch_size: int) -> None:
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if isinstance(request_lengths, (str, bytes)) or not hasattr(request_lengths, "__len__"):
+        raise TypeError(f"request_lengths must be a list of integers, got {type(request_lengths).__name__}")
     if len(request_lengths) == 0:
         raise ValueError("request_lengths is empty: give at least one request")
-    bad = [n for n in request_lengths if not isinstance(n, int) or n < 1]
+    bad = [n for n in request_lengths if isinstance(n, bool) or not isinstance(n, Integral) or n < 1]
     if bad:
         raise ValueError(f"request lengths must be integers >= 1, got {bad[:5]}")
 

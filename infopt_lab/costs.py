@@ -29,7 +29,7 @@ def _positive_int(name: str, value) -> int:
 
 
 def _positive_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < float("inf"):
         raise ValueError(f"{name} must be a positive number of bytes (e.g. 4, 2, 1, 0.5), got {value!r}")
     return value
 
@@ -37,6 +37,9 @@ def _positive_number(name: str, value) -> float:
 def kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1,
                    bytes_per_element: float = 2) -> int | float:
     """Bytes of the KV cache: 2 (K and V) x layers x KV heads x head dim x seq_len x batch x bytes."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a lab.ModelConfig (e.g. lab.get_preset('target') or model.config), "
+                        f"got {type(config).__name__}")
     _positive_int("seq_len", seq_len)
     _positive_int("batch_size", batch_size)
     _positive_number("bytes_per_element", bytes_per_element)

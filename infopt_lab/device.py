@@ -45,3 +45,39 @@ def describe() -> dict[str, str]:
     return {"python": sys.version.split()[0], "torch": torch.__version__,
             "device": f"{dev} ({name})", "threads": str(torch.get_num_threads()),
             "triton": triton_mode()}
+
+
+def available_memory_bytes(device: torch.device | str | None = None) -> tuple[int, str]:
+    """Bytes a new allocation can take on a device, and where the figure comes from.
+
+    CUDA: the free memory the driver reports. CPU: the memory the system says is available,
+    or what is left under this process's cgroup limit when that is smaller (containers, CI).
+    """
+    device = torch.device(device) if device is not None else get_device()
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free memory on {device}"
+    import psutil
+    best, source = psutil.virtual_memory().available, "available system memory"
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = open(limit_file).read().strip()
+            usage = int(open(usage_file).read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) - usage < best:
+            best, source = max(0, int(limit) - usage), "memory left under this process's cgroup limit"
+    return best, source
+
+
+ALLOCATION_SHARE = 0.9   # of the free memory one buffer may take: the rest keeps the machine (and the kernel) alive
+
+
+def check_allocation(nbytes: int, what: str, device: torch.device | str | None = None) -> None:
+    """Refuse, before allocating, a buffer larger than 90% of the memory the device has left (naming both)."""
+    free, source = available_memory_bytes(device)
+    if nbytes > ALLOCATION_SHARE * free:
+        raise ValueError(f"{what} would need {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free "
+                         f"({source}; one buffer may take {ALLOCATION_SHARE:.0%} of it); ask for fewer blocks, "
+                         "a smaller batch or a shorter context")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from . import validate
 from .device import synchronize
 from .kv_cache import KVCache
 from .metrics import request_metrics
@@ -104,11 +105,9 @@ def generate_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache:
 
 
 def encode_prompt(model, tok, prompt: str) -> Tensor:
-    """A text prompt as token ids [1, T] on the model's device (the tokenizer adds BOS)."""
-    if not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one character of text")
+    """A text prompt as token ids [1, T] on the model's device (the tokenizer adds BOS); the model checked too."""
+    validate.model("model", model)
+    validate.text("prompt", prompt)
     ids = tok.encode(prompt)                      # begins with the BOS token
     device = next(model.parameters()).device
     return torch.tensor([ids], dtype=torch.long, device=device)

@@ -10,8 +10,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import validate
 from .attention import attend
 from .config import ModelConfig
+from .device import check_allocation
+
+
+def zeros_checked(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]], device, what: str) -> list[Tensor]:
+    """Zero tensors of the given shapes, after checking that all of them together fit in the device's free memory."""
+    nbytes = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in shapes_dtypes)
+    check_allocation(nbytes, what, device)
+    return [torch.zeros(s, dtype=d, device=device) for s, d in shapes_dtypes]
 
 
 def cache_slots(input_pos: Tensor, n_new: int, max_seq_len: int) -> tuple[int, int]:
@@ -48,12 +57,10 @@ class KVCache(ContiguousCache):
 
     def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.max_seq_len = max_seq_len or config.max_seq_len
+        batch_size = validate.integer("batch_size", batch_size, low=1)
+        self.max_seq_len = validate.integer("max_seq_len", max_seq_len or config.max_seq_len, low=1)
         shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_seq_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H_kv, S, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = zeros_checked([(shape, dtype)] * 2, device, "the KV cache")  # (L, B, H_kv, S, D) each
 
     @classmethod
     def for_model(cls, model, batch_size: int = 1, max_seq_len: int | None = None) -> "KVCache":
@@ -85,15 +92,11 @@ class PagedKVCache:
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the padding sink), got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks = validate.integer("num_blocks", num_blocks, low=2)      # block 0 is the padding sink
+        self.block_size = validate.integer("block_size", block_size, low=1)
         self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
         shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, N_blocks, block_size, H_kv, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = zeros_checked([(shape, dtype)] * 2, device, "the paged KV pool")  # (L, N_blocks, block_size, H_kv, D)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16) -> "PagedKVCache":

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig
-from .kv_cache import ContiguousCache, cache_slots
+from . import validate
+from .kv_cache import ContiguousCache, cache_slots, zeros_checked
 
 SCALE_DTYPE = torch.float16   # scales in 16 bits: 2 bytes per head and position
 
@@ -28,15 +29,13 @@ class QuantizedKVCache(ContiguousCache):
 
     def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.max_seq_len = max_seq_len or config.max_seq_len
+        batch_size = validate.integer("batch_size", batch_size, low=1)
+        self.max_seq_len = validate.integer("max_seq_len", max_seq_len or config.max_seq_len, low=1)
         self.dtype = dtype                                       # what `update` returns
         shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_seq_len, config.head_dim)
-        self.k_q = torch.zeros(shape, dtype=torch.int8, device=device)     # (L, B, H_kv, S, D)
-        self.v_q = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)  # (L, B, H_kv, S)
-        self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+        # k_q, v_q: (L, B, H_kv, S, D) int8; k_scale, v_scale: (L, B, H_kv, S)
+        self.k_q, self.v_q, self.k_scale, self.v_scale = zeros_checked(
+            [(shape, torch.int8)] * 2 + [(shape[:-1], SCALE_DTYPE)] * 2, device, "the int8 KV cache")
 
     @classmethod
     def for_model(cls, model, batch_size: int = 1, max_seq_len: int | None = None) -> "QuantizedKVCache":

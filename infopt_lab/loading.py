@@ -22,7 +22,12 @@ def bundled_model_dir(name: str) -> Path:
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:
     """The local directory for a bundled name, a path, or a downloaded hub id."""
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"the model must be named by a string or a path, got {type(name_or_path).__name__}")
     name = str(name_or_path)
+    if not name.strip():
+        raise ValueError("the model name is empty: use 'target', 'draft', a local directory in Hugging Face "
+                         "format, or a hub id")
     if name in BUNDLED:
         path = bundled_model_dir(name)
         if not (path / "model.safetensors").exists():
@@ -31,6 +36,8 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
         return path
     path = Path(name).expanduser()
     if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path} is not a model directory in Hugging Face format: it has no config.json")
         return path
     if "/" not in name or name.startswith((".", "/", "~")):
         raise ValueError(f"unknown model {name!r}: use 'target', 'draft', a local directory in "
@@ -43,6 +50,8 @@ def load_model(name_or_path: str | Path = "target", dtype: torch.dtype | None = 
                device: torch.device | str | None = None):
     """(model, tokenizer): fp32 on CPU and bf16 on CUDA unless `dtype` says otherwise."""
     path = resolve_model_dir(name_or_path)
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch dtype such as torch.float32 or torch.bfloat16, got {dtype!r}")
     device = torch.device(device) if device is not None else get_device()
     dtype = dtype or default_dtype(device)
     model = Transformer.from_pretrained(path, dtype=dtype, device=device)

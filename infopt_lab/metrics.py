@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import validate
+
 GiB = 1024 ** 3
 
 
@@ -57,9 +59,8 @@ def throughput(n_tokens: int, seconds: float) -> float:
 # -- memory ---------------------------------------------------------------------------------
 def weight_memory_gb(num_params: float, bytes_per_param: float) -> float:
     """Memory of the weights in GB as this course counts it: params x bytes / 1024**3."""
-    if num_params < 0 or bytes_per_param <= 0:
-        raise ValueError(f"num_params must be >= 0 and bytes_per_param > 0, got "
-                         f"{num_params} and {bytes_per_param}")
+    num_params = validate.real("num_params", num_params, low=0)
+    bytes_per_param = validate.real("bytes_per_param", bytes_per_param, low=0, low_open=True)
     return num_params * bytes_per_param / GiB
 
 

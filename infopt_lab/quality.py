@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import data
+from . import data, validate
 from .generate import generate_tokens
 from .kv_cache import KVCache
 from .sampling import SamplingParams
@@ -161,10 +161,15 @@ class Evaluation:
 def evaluate(model, tok, split: str = "val", seq_len: int | None = None,
              max_tokens: int | None = None) -> Evaluation:
     """Perplexity and bits per byte over a split, in one pass of windows of seq_len tokens (512 by default)."""
+    validate.model("model", model)
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    context = model.config.max_seq_len
+    seq_len = min(512, context) if seq_len is None else validate.integer("seq_len", seq_len, low=1, high=context)
+    max_tokens = validate.integer("max_tokens", max_tokens, low=1, allow_none=True)
     tokens, byte_lengths = split_tokens(tok, split)
     if max_tokens is not None:
         tokens = tokens[:max_tokens + 1]
-    seq_len = min(seq_len or 512, model.config.max_seq_len)
     windows = data.eval_windows(tokens, seq_len)                             # (N, T + 1)
     if len(windows) == 0:
         raise ValueError(f"no window of seq_len={seq_len} tokens fits in the {len(tokens)} tokens scored: "

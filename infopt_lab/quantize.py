@@ -199,8 +199,16 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
 
     A head tied to the embedding stays in float (the embedding lookup needs the float table anyway).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch nn.Module (e.g. from lab.load_model), got {type(model).__name__}")
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
+    done = sorted({m.scheme for m in model.modules() if isinstance(m, QuantLinear)})
+    if done:
+        raise ValueError(f"model is already quantized ({', '.join(done)}); quantize the float model instead "
+                         "(quantizing twice would compound the rounding, or silently keep the first scheme)")
+    if not any(isinstance(m, nn.Linear) for m in model.modules()):
+        raise ValueError("model has no nn.Linear layer to quantize")
     new = copy.deepcopy(model)
     tied = {id(m.weight) for m in new.modules() if isinstance(m, nn.Embedding)}
     for name, module in list(new.named_modules()):

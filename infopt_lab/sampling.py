@@ -10,12 +10,12 @@ random draw of a token).
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from . import validate
 
 
 @dataclass(frozen=True)
@@ -31,22 +31,15 @@ class SamplingParams:
     stop_at_eos: bool = True                 # stop after the tokenizer's end-of-sequence token too
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, low=1))
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
-        object.__setattr__(self, "temperature", float(self.temperature))
-        if self.top_k is not None:
-            object.__setattr__(self, "top_k", _integer("top_k", self.top_k, low=1, none="or None"))
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real)
-                                       or not 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
-        if self.seed is not None:
-            object.__setattr__(self, "seed", _integer("seed", self.seed, low=0, none="or None"))
+        set_ = object.__setattr__
+        set_(self, "max_new_tokens", validate.integer("max_new_tokens", self.max_new_tokens, low=1))
+        set_(self, "temperature", validate.real("temperature", self.temperature, low=0))
+        set_(self, "top_k", validate.integer("top_k", self.top_k, low=1, allow_none=True))
+        set_(self, "top_p", validate.real("top_p", self.top_p, low=0, high=1, allow_none=True, low_open=True))
+        set_(self, "seed", validate.integer("seed", self.seed, low=0, allow_none=True))
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise TypeError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
-        stops = tuple(_integer("stop_token_ids", t, low=0) for t in self.stop_token_ids)
-        object.__setattr__(self, "stop_token_ids", stops)
+        set_(self, "stop_token_ids", tuple(validate.integer("stop_token_ids", t, low=0) for t in self.stop_token_ids))
         if not isinstance(self.stop_at_eos, bool):
             raise TypeError(f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
 
@@ -59,15 +52,6 @@ class SamplingParams:
         """The token ids that end this request, given the tokenizer's end-of-sequence id."""
         extra = {eos_id} if self.stop_at_eos and eos_id is not None else set()
         return frozenset(self.stop_token_ids) | extra
-
-
-def _integer(name: str, value, low: int, none: str = "") -> int:
-    """`value` as an int (numpy integers included, bools refused), at least `low`; else a clear error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= {low} {none}, got {value!r}".replace("  ", " "))
-    if value < low:
-        raise ValueError(f"{name} must be an integer >= {low} {none}, got {value!r}".replace("  ", " "))
-    return int(value)
 
 
 def sampling_params(params: SamplingParams | None = None, **overrides) -> SamplingParams:

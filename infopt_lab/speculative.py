@@ -17,12 +17,14 @@ entries past it are overwritten by the next round and never attended to.
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from . import validate
 from .device import synchronize
 from .generate import Decoder
 from .sampling import SamplingParams, check_request, draw, logits_to_probs, make_generator, sample, sampling_params
@@ -58,10 +60,18 @@ def verify(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
     Tokens are drawn with `generator`; the acceptance coins with `accept_generator` when given
     (so that a draft equal to the target leaves the token draws exactly those of plain decoding).
     """
+    validate.tensor("draft_tokens", draft_tokens, dims=1)
+    validate.tensor("draft_probs", draft_probs, dims=2)
+    validate.tensor("target_probs", target_probs, dims=2)
     k = draft_tokens.shape[0]
     if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1 or draft_probs.shape[1] != target_probs.shape[1]:
         raise ValueError(f"need draft_probs [k, V] and target_probs [k + 1, V] for k={k}, got "
                          f"{tuple(draft_probs.shape)} and {tuple(target_probs.shape)}")
+    _check_probs("draft_probs", draft_probs)
+    _check_probs("target_probs", target_probs)
+    vocab = target_probs.shape[1]
+    if draft_tokens.is_floating_point() or (k and not 0 <= int(draft_tokens.min()) <= int(draft_tokens.max()) < vocab):
+        raise ValueError(f"draft_tokens must be integer token ids in [0, {vocab}), got {draft_tokens.tolist()}")
     coins = generator if accept_generator is None else accept_generator
     emitted: list[int] = []
     for i in range(k):
@@ -78,6 +88,15 @@ def verify(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
         return emitted, i
     emitted.append(int(draw(target_probs[k], generator)))
     return emitted, k
+
+
+def _check_probs(name: str, probs: Tensor) -> None:
+    """Rows of probabilities: finite, non-negative, each summing to 1."""
+    if not probs.is_floating_point() or not torch.isfinite(probs).all() or (probs < 0).any():
+        raise ValueError(f"{name} must hold finite, non-negative probabilities")
+    sums = probs.sum(-1)
+    if not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
+        raise ValueError(f"{name}'s rows must each sum to 1, got sums {[round(s, 4) for s in sums.tolist()]}")
 
 
 def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
@@ -151,7 +170,10 @@ def _feed(decoder: Decoder, tokens: list[int]) -> Tensor:
 
 def _check_pair(target, draft, input_ids: Tensor, params: SamplingParams, k: int) -> None:
     """The request checks of both models (with room for k + 1 draft positions), plus k and the vocabularies."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    validate.model("target", target)
+    if draft is not None:
+        validate.model("draft", draft)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
     if draft is not None and draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs from the target's "

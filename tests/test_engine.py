@@ -149,3 +149,44 @@ def test_continuous_schedule_step_respects_slots_and_budget():
     assert [r["id"] for r in retired] == [0]
     assert [r["id"] for r in run] == [1, 2]                  # 1 + 6 = 7 of 12; request 3 (9) does not fit
     assert [r["id"] for r in wait] == [3, 4]                 # and request 4 may not overtake it
+
+
+def test_arrivals_out_of_order_are_served_first_come_first_served(tiny):
+    model, tok = tiny
+    engine = lab.Engine(model, tok, max_batch_size=1)
+    outs = engine.generate(["x = 1", "y = 2", "z = 3"], max_new_tokens=2, stop_at_eos=False, arrival_s=[0.2, 0.0, 0.1])
+    first = [min(o.token_times_s) + a for o, a in zip(outs, [0.2, 0.0, 0.1])]
+    assert [o.request_id for o in outs] == [0, 1, 2]
+    assert first[1] < first[2] < first[0]                        # served in arrival order, reported in prompt order
+
+
+def test_a_failed_generate_leaves_the_engine_as_new(tiny):
+    model, tok = tiny
+    kw = dict(max_new_tokens=[6, 9, 4], stop_at_eos=False)
+    fresh = lab.Engine(model, tok, max_batch_size=2, block_size=4).generate(["a = 1", "b = 2", "c = 3"], **kw)
+    engine = lab.Engine(model, tok, max_batch_size=2, block_size=4)
+    for bad in [dict(arrival_s=[0.0, float("nan"), 0.0]), dict(arrival_s=[0.0, -1.0, 0.0]), dict(temperature=float("nan"))]:
+        with pytest.raises(ValueError):
+            engine.generate(["a = 1", "b = 2", "c = 3"], **{**kw, **bad})
+        assert engine.blocks.num_free == engine.blocks.capacity and not engine.has_unfinished()
+    again = engine.generate(["a = 1", "b = 2", "c = 3"], **kw)
+    assert [o.token_ids for o in again] == [o.token_ids for o in fresh]
+
+
+def test_an_exception_mid_run_leaves_the_engine_as_new(tiny, monkeypatch):
+    model, tok = tiny
+    prompts, kw = ["a = 1", "b = 2", "c = 3"], dict(max_new_tokens=[6, 9, 4], stop_at_eos=False)
+    fresh = lab.Engine(model, tok, max_batch_size=2, block_size=4).generate(prompts, **kw)
+    engine = lab.Engine(model, tok, max_batch_size=2, block_size=4)
+    run, calls = engine.runner.run, []
+
+    def failing(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the device went away")
+        return run(batch)
+    monkeypatch.setattr(engine.runner, "run", failing)
+    with pytest.raises(RuntimeError, match="went away"):
+        engine.generate(prompts, **kw)
+    assert engine.blocks.num_free == engine.blocks.capacity and not engine.has_unfinished()
+    assert [o.token_ids for o in engine.generate(prompts, **kw)] == [o.token_ids for o in fresh]

@@ -52,8 +52,8 @@ def test_stream_yields_the_same_text(tiny):
     (dict(max_new_tokens=-3), "max_new_tokens must be an integer >= 1"),
     (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
     (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
-    (dict(temperature=1.0, top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(temperature=1.0, top_p=1.2), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=1.0, top_p=0.0), r"top_p must be a finite number in \(0, 1\]"),
+    (dict(temperature=1.0, top_p=1.2), r"top_p must be a finite number in \(0, 1\]"),
     (dict(temperature=1.0, top_k=0), "top_k must be an integer >= 1"),
 ])
 def test_bad_sampling_settings_are_named(tiny, kwargs, message):

@@ -102,6 +102,8 @@ def write_class(folder: Path) -> None:
     nb = nbformat.read(ROOT / "solutions" / "00_orientation.ipynb", as_version=4)
     del nb.metadata["infopt_lab"]
     nbformat.write(nb, folder / "nometa.ipynb")
+    (folder / "carol").mkdir()                    # solution 00 in a file named after exercise 01
+    shutil.copyfile(ROOT / "solutions" / "00_orientation.ipynb", folder / "carol" / "01_cost_anatomy_kv_cache.ipynb")
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +148,7 @@ def test_tamper_cannot_escape(fixture_reports):
 def test_class_folder_full_marks_exercises_zero(cli_run):
     proc, out = cli_run
     assert "Traceback" not in proc.stdout + proc.stderr
-    for student, name in [*STUDENTS.items(), ("ballast", "00_orientation")]:
+    for student, name in [*STUDENTS.items(), ("ballast", "00_orientation"), ("carol", "00_orientation")]:
         solution = json.loads((out / "json" / f"{student}.json").read_text())
         exercise = json.loads((out / "json" / f"{name}.json").read_text())
         assert solution["score"] == solution["max_score"] == exercise["max_score"] > 0, solution["output"]
@@ -185,12 +187,12 @@ def test_csv_has_one_row_per_submission(cli_run):
     names = available_exercises()
     assert header[0] == "id" and header[-3:] == ["total", "max", "error"]
     assert len(header) == 4 + sum(len(load_checks(n)) for n in names)
-    ids = ["ballast", "nometa", *STUDENTS, *names]
+    ids = ["ballast", "nometa", *STUDENTS, "carol", *names]
     assert [r[0] for r in body] == ids
     assert all(len(r) == len(header) for r in body)
     by_id = {r[0]: r for r in body}
     assert by_id["nometa"][-3:-1] == ["", ""] and "cannot tell which exercise" in by_id["nometa"][-1]
-    assert all(by_id[s][-3] == by_id[s][-2] != "" and by_id[s][-1] == "" for s in ["ballast", *STUDENTS])
+    assert all(by_id[s][-3] == by_id[s][-2] != "" and by_id[s][-1] == "" for s in ["ballast", "carol", *STUDENTS])
     assert all(by_id[n][-3] == "0" for n in names)
 
 
@@ -336,3 +338,42 @@ def test_every_notebook_opens_with_the_same_colab_setup_cell():
     assert "google.colab" in reference and "pip" in reference
     assert {name: c.source == reference and c.cell_type == "code" for name, c in cells.items()} == \
         {name: True for name in cells}
+
+
+def test_grade_refuses_outputs_that_would_overwrite_an_input_before_grading(tmp_path, capsys):
+    """`--csv` or `--json` naming a submission is refused up front (exit 2) and no file changes."""
+    folder = tmp_path / "one"
+    folder.mkdir()
+    alice = folder / "alice.ipynb"
+    shutil.copyfile(ROOT / "exercises" / "00_orientation.ipynb", alice)
+    (folder / "notes.txt").write_text("keep")
+    before = {p: digest(p) for p in folder.iterdir()}
+    cases = [["--csv", str(alice)], ["--json", str(alice)], ["--csv", str(folder / "x.ipynb")],
+             ["--json", str(folder)], ["--csv", str(folder)], ["--csv", str(tmp_path / "g.csv"), "--json",
+                                                                   str(tmp_path / "g.csv")],
+             ["--json", "/proc/x.json"], ["--csv", "/proc/grades.csv"]]
+    for extra in cases:
+        assert run_cli("grade", str(alice), "--quiet", *extra) == 2, extra
+        assert "error:" in capsys.readouterr().err
+    assert {p: digest(p) for p in folder.iterdir()} == before
+
+
+def test_reports_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    from infopt_lab.grading import report as report_module
+    target = tmp_path / "grades.csv"
+    target.write_text("old,complete\n")
+    reports = [report_module.SubmissionReport("alice", "alice.ipynb", None, error="no exercise")]
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(report_module.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        report_module.write_csv(reports, target)
+    assert target.read_text() == "old,complete\n" and sorted(p.name for p in tmp_path.iterdir()) == ["grades.csv"]
+
+
+def test_metadata_decides_over_the_file_name_and_the_report_says_so(cli_run):
+    _, out = cli_run
+    report = json.loads((out / "json" / "carol.json").read_text())
+    assert report["score"] == report["max_score"]
+    assert "its file name says 01_cost_anatomy_kv_cache but its metadata says 00_orientation" in report["output"]

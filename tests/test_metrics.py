@@ -11,7 +11,7 @@ def test_weight_memory_matches_the_seed():
 
 
 def test_weight_memory_rejects_bad_input():
-    with pytest.raises(ValueError, match="bytes_per_param > 0"):
+    with pytest.raises(ValueError, match="bytes_per_param must be a finite number > 0"):
         lab.weight_memory_gb(10, 0)
 
 

@@ -1,12 +1,15 @@
 """The engine loop: add requests, schedule a step, run it, sample, retire; and `Engine.generate` around it."""
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from .. import validate
 from ..device import synchronize
 from ..kv_cache import PagedKVCache
 from ..metrics import request_metrics
@@ -121,23 +124,20 @@ class LLMEngine:
 
     def __init__(self, model, tok, scheduler: str = "continuous", max_batch_size: int = 8, block_size: int = 16,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
+        validate.model("model", model)
         if scheduler not in POLICIES:
             raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {scheduler!r}")
-        for name, value in [("max_batch_size", max_batch_size), ("block_size", block_size)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.model, self.tok = model, tok
         self.max_seq_len = model.config.max_seq_len
+        self.max_batch_size = validate.integer("max_batch_size", max_batch_size, low=1)
+        block_size = validate.integer("block_size", block_size, low=1, high=self.max_seq_len)
         if num_blocks is None:    # room for a full batch at full context: preemption never needed
             num_blocks = max_batch_size * -(-self.max_seq_len // block_size) + 1
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), got {num_blocks!r}")
-        budget = max_num_batched_tokens or max(256, max_batch_size)
-        if budget < max_batch_size:
-            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_batch_size ({max_batch_size})")
-        self.max_batch_size = max_batch_size
+        num_blocks = validate.integer("num_blocks", num_blocks, low=2)          # block 0 is reserved
+        budget = validate.integer("max_num_batched_tokens", max_num_batched_tokens or max(256, max_batch_size),
+                                  low=max_batch_size)
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)      # checked against free memory first
         self.blocks = BlockManager(num_blocks, block_size)
-        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
         self.scheduler = POLICIES[scheduler](self.blocks, max_batch_size, budget)
         self.runner = ModelRunner(model, self.cache, self.blocks)
         self.device = self.runner.device
@@ -161,9 +161,10 @@ class LLMEngine:
                     arrival_s: float | None = None) -> int:
         """Queue one request (text, or token ids); its id. One that can never be served is refused by the next step."""
         params = sampling_params(params)
+        arrival = self.now() if arrival_s is None else _arrival(arrival_s)
         seq_id = len(self.sequences)
-        seq = Sequence(seq_id, self._ids(prompt), params, self.now() if arrival_s is None else float(arrival_s),
-                       params.stop_ids(self.tok.eos_token_id), make_generator(params.seed, self.device))
+        seq = Sequence(seq_id, self._ids(prompt), params, arrival, params.stop_ids(self.tok.eos_token_id),
+                       make_generator(params.seed, self.device))
         self.sequences[seq_id] = seq
         self.stats.requests += 1
         seq.error = self.why_unservable(seq)
@@ -173,6 +174,11 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
         return seq_id
+
+    def abort_all(self) -> None:
+        """Drop every request, queued, running or refused, and free the KV blocks they held."""
+        self.scheduler.clear()
+        self.sequences, self.refused = {}, []
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, or refused but not yet reported."""
@@ -282,11 +288,20 @@ class Engine(LLMEngine):
             raise TypeError("prompts must be a list of strings (or of token-id lists), not one string")
         prompts = list(prompts)
         per_request = self._per_request(len(prompts), params, arrival_s, overrides)
-        self.sequences, self.refused = {}, []
+        self.abort_all()
         self.reset_clock()
-        ids = [self.add_request(p, ps, a) for p, (ps, a) in zip(prompts, per_request)]
-        self.start = time.perf_counter()            # the clock starts once every request is in (tokenized)
-        bar = _progress(len(ids), progress)
+        try:
+            ids = [self.add_request(p, ps, a) for p, (ps, a) in zip(prompts, per_request)]
+            self.start = time.perf_counter()        # the clock starts once every request is in (tokenized)
+            self._run_to_completion(len(ids), progress)
+        except BaseException:
+            self.abort_all()                        # leave the engine as a new one: nothing queued, no blocks held
+            raise
+        return Outputs([self.output(self.sequences[i]) for i in ids], self.stats)
+
+    def _run_to_completion(self, total: int, progress: bool) -> None:
+        """Step until every request has finished, waiting for arrivals when nothing can run."""
+        bar = _progress(total, progress)
         while self.has_unfinished():
             done = self.step()
             if bar is not None:
@@ -295,7 +310,6 @@ class Engine(LLMEngine):
                 self._wait_for_arrival()
         if bar is not None:
             bar.close()
-        return Outputs([self.output(self.sequences[i]) for i in ids], self.stats)
 
     def _per_request(self, n: int, params, arrival_s, overrides: dict) -> list[tuple[SamplingParams, float]]:
         """(params, arrival) for each of n prompts, every list checked to hold one entry per prompt."""
@@ -307,7 +321,7 @@ class Engine(LLMEngine):
             lengths = list(lengths)
         else:
             lengths = [lengths] * n
-        arrivals = [0.0] * n if arrival_s is None else [float(a) for a in arrival_s]
+        arrivals = [0.0] * n if arrival_s is None else [_arrival(a) for a in arrival_s]
         if not len(params) == len(lengths) == len(arrivals) == n:
             raise ValueError(f"got {n} prompts, {len(params)} params, {len(lengths)} max_new_tokens and "
                              f"{len(arrivals)} arrival times; give one per prompt")
@@ -315,11 +329,18 @@ class Engine(LLMEngine):
         return [(sampling_params(p, **overrides, **e), a) for p, e, a in zip(params, extra, arrivals)]
 
     def _wait_for_arrival(self) -> None:
-        """Nothing can run until the next request arrives: wait for it."""
+        """Nothing can run until the next request arrives: move the clock to it (idle time passes, never slept)."""
         nxt = self.scheduler.next_arrival()
         if nxt is None:
             raise RuntimeError("the scheduler has queued work but can run none of it")
-        time.sleep(max(0.0, nxt - self.now()))
+        self.start -= max(0.0, nxt - self.now())
+
+
+def _arrival(value) -> float:
+    """An arrival time in seconds: a finite number >= 0, else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"arrival_s must hold finite numbers >= 0 (seconds after the start), got {value!r}")
+    return float(value)
 
 
 def _progress(total: int, show: bool):

@@ -55,8 +55,16 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request."""
-        self.waiting.append(seq)
+        """Queue a request behind every queued one that arrives no later (first come, first served)."""
+        at = next((i for i, s in enumerate(self.waiting) if s.arrival_s > seq.arrival_s), len(self.waiting))
+        self.waiting.insert(at, seq)
+
+    def clear(self) -> None:
+        """Drop every queued and running request and free its blocks: the state of a new scheduler."""
+        for seq in self.running:
+            self.blocks.free(seq.seq_id)
+        self.waiting.clear()
+        self.running.clear()
 
     @property
     def has_work(self) -> bool:
@@ -170,6 +178,11 @@ class StaticScheduler(Scheduler):
     def has_work(self) -> bool:
         """Whether any request is queued, running, or a member of the batch still to finish."""
         return super().has_work or any(not s.done for s in self.members)
+
+    def clear(self) -> None:
+        """Drop the batch too."""
+        super().clear()
+        self.members = []
 
     def schedule(self, now: float) -> Batch:
         """Form a new batch when the last one is done; finished members are computed and thrown away."""

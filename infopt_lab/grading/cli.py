@@ -27,14 +27,12 @@ def _cmd_assign(args) -> int:
 def _cmd_grade(args) -> int:
     from .grade import collect, grade
     from .kernel import GraderError, Limits
-    from .report import write_csv, write_json
+    from .report import check_output_paths, write_csv, write_json
     try:
         limits = Limits(cell_timeout=args.timeout, notebook_timeout=args.notebook_timeout,
                         check_timeout=args.check_timeout, memory_mb=args.memory_mb)
-        count = len(collect(args.paths))
-        if args.json and args.json.suffix == ".json" and count != 1:
-            raise ValueError(f"--json {args.json} names one file, but {count} notebooks were found; "
-                             "pass a folder to get one <id>.json per submission")
+        submissions = collect(args.paths)
+        check_output_paths(args.csv, args.json, [s.path for s in submissions] + list(args.paths), len(submissions))
         reports = grade(args.paths, limits, exercise=args.exercise, progress=not args.quiet)
     except (GraderError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -46,11 +44,7 @@ def _cmd_grade(args) -> int:
     for report in reports:
         print(report.summary(verbose=not args.quiet))
     if args.json:
-        try:
-            targets = write_json(reports, args.json)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        targets = write_json(reports, args.json)
         print(f"wrote {len(targets)} JSON report(s) to {args.json}")
     if args.csv:
         write_csv(reports, args.csv)

@@ -101,9 +101,13 @@ def identify_exercise(path: Path, nb: nbformat.NotebookNode | None, forced: str 
         return forced
     meta = nb.metadata.get("infopt_lab") if nb is not None else None
     meta = meta.get("exercise") if isinstance(meta, dict) else None
-    if meta in known:
-        return meta
+    return meta if meta in known else named_exercise(path)
+
+
+def named_exercise(path: Path) -> str | None:
+    """The exercise a file name names (`00_orientation*.ipynb`), or None."""
     stem = re.sub(r"\.ipynb$", "", path.name)
+    known = available_exercises()
     return stem if stem in known else next((k for k in known if stem.startswith(k)), None)
 
 
@@ -216,6 +220,9 @@ def grade_one(sub: SubmissionFile, workdir: Path, limits: Limits, checks: dict[s
     workdir.mkdir()
     shutil.copyfile(sub.path, workdir / sub.path.name)
     report = SubmissionReport(sub.id, str(sub.path), exercise)
+    named = named_exercise(sub.path)
+    if forced is None and named not in (None, exercise):
+        report.notes.append(f"its file name says {named} but its metadata says {exercise}; graded as {exercise}")
     with KernelSession(nb, workdir, limits) as session:
         try:
             session.execute()

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,8 +84,20 @@ def write_json(reports: list[SubmissionReport], path: Path) -> list[Path]:
         path.mkdir(parents=True, exist_ok=True)
         targets = [path / f"{file_stem(r.id)}.json" for r in reports]
     for report, target in zip(reports, targets):
-        target.write_text(json.dumps(report.to_gradescope(), indent=2) + "\n", encoding="utf-8")
+        write_atomic(target, json.dumps(report.to_gradescope(), indent=2) + "\n")
     return targets
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a whole file or nothing: a temporary file beside it, then a rename over it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def csv_columns(reports: list[SubmissionReport]) -> list[str]:
@@ -102,16 +117,63 @@ def write_csv(reports: list[SubmissionReport], path: Path) -> None:
     columns = csv_columns(reports)
     mixed = len({r.exercise for r in reports if not r.error}) > 1
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["id", *columns, "total", "max", "error"])
-        for report in reports:
-            scores = {(f"{report.exercise}: {r.name}" if mixed else r.name): r.score for r in report.results}
-            totals = ["", ""] if report.error else [fmt(report.score), fmt(report.max_score)]
-            writer.writerow([report.id, *(fmt(scores[c]) if c in scores else "" for c in columns),
-                             *totals, report.error or ""])
+    f = io.StringIO(newline="")
+    writer = csv.writer(f)
+    writer.writerow(["id", *columns, "total", "max", "error"])
+    for report in reports:
+        scores = {(f"{report.exercise}: {r.name}" if mixed else r.name): r.score for r in report.results}
+        totals = ["", ""] if report.error else [fmt(report.score), fmt(report.max_score)]
+        writer.writerow([report.id, *(fmt(scores[c]) if c in scores else "" for c in columns),
+                         *totals, report.error or ""])
+    write_atomic(path, f.getvalue())
 
 
 def fmt(x: float) -> str:
     """A score without a trailing .0."""
     return f"{x:g}"
+
+
+def check_output_paths(csv_path: Path | None, json_path: Path | None, inputs: list[Path], count: int) -> None:
+    """Refuse, before any grading, output paths that would overwrite an input or cannot be written."""
+    given = {p.resolve() for p in inputs}
+    if csv_path is not None:
+        _check_file_target("--csv", csv_path, given)
+    if json_path is not None and json_path.suffix == ".json":
+        if count != 1:
+            raise ValueError(f"--json {json_path} names one file, but {count} notebooks were found; "
+                             "pass a folder to get one <id>.json per submission")
+        _check_file_target("--json", json_path, given)
+    elif json_path is not None:
+        folder = json_path.resolve()
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--json {json_path} is a file; pass a folder (or a .json file for one notebook)")
+        if folder in given or any(p.parent == folder for p in given):
+            raise ValueError(f"--json {json_path} holds submitted notebooks; write the reports to another folder")
+        _check_writable("--json", folder)
+    if csv_path is not None and json_path is not None and csv_path.resolve() == json_path.resolve():
+        raise ValueError(f"--csv and --json both name {csv_path}; give them different paths")
+
+
+def _check_file_target(option: str, path: Path, inputs: set[Path]) -> None:
+    """An output file must not be an input, a notebook or a folder, and its folder must be writable."""
+    target = path.resolve()
+    if target in inputs:
+        raise ValueError(f"{option} {path} is one of the paths being graded; it would be overwritten")
+    if target.suffix == ".ipynb":
+        raise ValueError(f"{option} {path} names a notebook; give a .csv or .json file name")
+    if target.is_dir():
+        raise ValueError(f"{option} {path} is a folder; give a file name")
+    _check_writable(option, target.parent)
+
+
+def _check_writable(option: str, folder: Path) -> None:
+    """The folder, or its nearest existing ancestor (it will be created), must take a file: tried for real."""
+    existing = next(p for p in [folder, *folder.parents] if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a folder")
+        fd, probe = tempfile.mkstemp(prefix=".infopt-grade-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{option}: cannot write under {folder} ({e})") from None

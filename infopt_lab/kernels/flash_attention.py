@@ -165,6 +165,7 @@ def attention_path(device: torch.device | str = "cpu") -> str:
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
     """Attention, [B, H, N, D] x [B, H_kv, N_k, D] -> [B, H, N, D], by the best path here (see attention_path)."""
+    check_attention_inputs(q, k, v, causal)
     if attention_path(q.device) == "reference":
         warnings.warn("Triton cannot run here: flash_attention runs the plain-PyTorch attention_reference",
                       stacklevel=2)
