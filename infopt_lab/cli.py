@@ -34,7 +34,7 @@ def _cmd_card(args) -> int:
     from .model_card import write_cards
     unknown = [m for m in args.models if m not in BUNDLED]
     if unknown:
-        print(f"infopt-lab card: unknown model {unknown}; choose from {list(BUNDLED)}", file=sys.stderr)
+        print(f"infopt-lab card: error: unknown model {unknown}; choose from {list(BUNDLED)}", file=sys.stderr)
         return 2
     write_cards(args.models)
     return 0

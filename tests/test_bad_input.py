@@ -278,3 +278,25 @@ def test_regression_unclear_errors_are_now_clear(tiny):
         lab.generate(model, tok, "x \ud800")
     with pytest.raises(ValueError, match="model name is empty"):
         lab.load_model("")
+
+
+@FAST
+@given(argv=st.one_of(
+    st.tuples(st.just("card"), st.text(max_size=8)),
+    st.tuples(st.just("bench"), st.just("--model"), st.sampled_from(["", " ", "nope", "./missing", "/tmp"])),
+    st.tuples(st.just("bench"), st.just("--only"), st.text(max_size=6)),
+    st.tuples(st.just("grade"), st.text(max_size=8).map(lambda s: f"/nonexistent/{s}")),
+    st.tuples(st.just("assign"), st.just("--check"), st.just("--solutions"), st.text(max_size=6).map(lambda s: f"/no/{s}")),
+    st.tuples(st.just("train"), st.just("--preset"), st.text(max_size=6), st.just("--out"), st.just("/tmp/x"))))
+def test_command_line_bad_arguments_end_in_one_error_line(argv, capsys):
+    """Every command refuses bad arguments with exit status 2 and a message, never a traceback."""
+    from infopt_lab.cli import main
+    if argv[0] == "card" and argv[1] in ("target", "draft"):
+        return                                             # a valid card run writes model cards: not bad input
+    try:
+        code = main(list(argv))
+    except SystemExit as e:                                # argparse's own refusal
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, (argv, code, err)
+    assert "Traceback" not in err and "error" in err.lower()
