@@ -31,7 +31,7 @@ def _positive_int(name: str, value) -> int:
 def _positive_number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < float("inf"):
         raise ValueError(f"{name} must be a positive number of bytes (e.g. 4, 2, 1, 0.5), got {value!r}")
-    return value
+    return int(value) if isinstance(value, Integral) else float(value)   # Python numbers: numpy ones overflow
 
 
 def kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1,
@@ -40,9 +40,8 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1,
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a lab.ModelConfig (e.g. lab.get_preset('target') or model.config), "
                         f"got {type(config).__name__}")
-    _positive_int("seq_len", seq_len)
-    _positive_int("batch_size", batch_size)
-    _positive_number("bytes_per_element", bytes_per_element)
+    seq_len, batch_size = _positive_int("seq_len", seq_len), _positive_int("batch_size", batch_size)
+    bytes_per_element = _positive_number("bytes_per_element", bytes_per_element)
     elements = 2 * config.n_layers * config.n_kv_heads * config.head_dim * seq_len * batch_size
     total = elements * bytes_per_element
     return int(total) if float(total).is_integer() else total

@@ -34,7 +34,10 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
             raise FileNotFoundError(f"the bundled {name!r} model is missing from {path}; "
                                     f"retrain it with `infopt-lab train --preset {name} --out {path}`")
         return path
-    path = Path(name).expanduser()
+    try:
+        path = Path(name).expanduser()
+    except RuntimeError as e:            # "~user" for a user this machine does not have
+        raise ValueError(f"unknown model {name!r}: {e}") from None
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"{path} is not a model directory in Hugging Face format: it has no config.json")

@@ -190,3 +190,15 @@ def test_an_exception_mid_run_leaves_the_engine_as_new(tiny, monkeypatch):
         engine.generate(prompts, **kw)
     assert engine.blocks.num_free == engine.blocks.capacity and not engine.has_unfinished()
     assert [o.token_ids for o in engine.generate(prompts, **kw)] == [o.token_ids for o in fresh]
+
+
+def test_generate_never_drops_requests_added_by_hand(tiny):
+    model, tok = tiny
+    engine = lab.Engine(model, tok)
+    engine.add_request("x = 1", lab.SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="have not finished"):
+        engine.generate(["y = 2"], max_new_tokens=2)
+    assert engine.has_unfinished()                          # still queued, nothing lost
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.generate(["y = 2"], max_new_tokens=2, stop_at_eos=False)[0].ok

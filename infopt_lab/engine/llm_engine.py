@@ -288,6 +288,9 @@ class Engine(LLMEngine):
             raise TypeError("prompts must be a list of strings (or of token-id lists), not one string")
         prompts = list(prompts)
         per_request = self._per_request(len(prompts), params, arrival_s, overrides)
+        if self.has_unfinished():
+            raise ValueError(f"the engine holds {len(self.sequences)} request(s) added with add_request that have "
+                             "not finished; step() until has_unfinished() is False, or call abort_all(), first")
         self.abort_all()
         self.reset_clock()
         try:
