@@ -227,6 +227,8 @@ def test_quantized_kv_cache_keeps_the_update_contract(tiny):
         assert k2.shape == k1.shape == (2, H, start + T, D) and k2.dtype == k1.dtype
         step = k1.abs().amax(-1, keepdim=True) / 127
         assert ((k2 - k1).abs() <= 0.57 * step).all()        # half a step, plus the fp16 scale's rounding
+        v_step = v1.abs().amax(-1, keepdim=True) / 127
+        assert v2.shape == v1.shape and ((v2 - v1).abs() <= 0.57 * v_step).all()   # values too, not only keys
     assert quant.nbytes < exact.nbytes / 3
     with pytest.raises(ValueError, match="past the cache"):
         quant.update(0, torch.arange(15, 17), torch.randn(2, H, 2, D), torch.randn(2, H, 2, D))

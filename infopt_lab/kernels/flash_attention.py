@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..device import HAS_CUDA, HAS_TRITON
+from ..device import HAS_TRITON
 from . import INTERPRETER_READY, require_interpreter
 from .attention_ref import attention_reference, check_attention_inputs
 
