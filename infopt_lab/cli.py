@@ -1,4 +1,4 @@
-"""The `infopt-lab` command: doctor, card, bench, train, assign, grade."""
+"""The `infopt-lab` command: doctor, fetch, card, bench, train, assign, grade."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,21 @@ def _cmd_train(args) -> int:
 def _cmd_doctor(args) -> int:
     from .doctor import run_doctor
     return run_doctor()
+
+
+def _cmd_fetch(args) -> int:
+    from . import hub
+    if args.clear:
+        freed = hub.clear()
+        print(f"removed {freed / 2**20:.0f} MiB from {hub.cache_root()}")
+        return 0
+    unknown = [m for m in args.models if m not in hub.REMOTE]
+    if unknown:
+        raise ValueError(f"unknown model {unknown}; choose from {sorted(hub.REMOTE)}")
+    for name in args.models:
+        path = hub.fetch(name)
+        print(f"{name}: ready in {path}")
+    return 0
 
 
 def _cmd_bench(args) -> int:
@@ -47,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check the installation: Python, torch, device, Triton, models")
     p.set_defaults(func=_cmd_doctor)
+
+    from .hub import REMOTE
+    p = sub.add_parser("fetch", help="download and convert the real model once, for offline use "
+                                     "(checked by sha256, kept in a user cache)")
+    p.add_argument("models", nargs="*", metavar="MODEL", default=sorted(REMOTE),
+                   help=f"which model (default: all of {sorted(REMOTE)})")
+    p.add_argument("--clear", action="store_true", help="remove the fetched models from the cache instead")
+    p.set_defaults(func=_cmd_fetch)
 
     p = sub.add_parser("card", help="measure bundled models (val bits per byte, samples) and "
                                     "write their MODEL_CARD.md")
@@ -77,10 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; bad arguments end in one `error:` line and exit status 2, never a traceback."""
+    from .hub import FetchError
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, FetchError) as e:
         print(f"infopt-lab {args.command}: error: {e}", file=sys.stderr)
         return 2
 

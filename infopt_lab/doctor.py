@@ -42,6 +42,12 @@ def run_doctor() -> int:
     for line in lines:
         print(f"  {line}")
     problems += model_problems
+    from . import hub
+    for name in hub.REMOTE:
+        state = "cached" if hub.is_cached(name) else "not fetched yet: `infopt-lab fetch` (about 93 MB, once)"
+        print(f"  {name}: {state}")
+    print(f"cache   : {hub.cache_root()} ({hub.cache_size_bytes() / 2**20:.0f} MiB)"
+          + ("; downloads off" if hub.offline() else ""))
     try:
         from .loading import load_model
         model, tok = load_model("target") if not model_problems else (None, None)

@@ -114,16 +114,22 @@ class EngineStats:
                 f"preemptions {self.preemptions}, KV blocks peak {self.kv_blocks_peak}/{self.kv_blocks_total}")
 
 
+DEFAULT_MAX_MODEL_LEN = 2048   # an 8k-context model would reserve 8 x 8,192 positions per layer otherwise
+
+
 class LLMEngine:
     """Requests in, tokens out, one scheduled step at a time over a paged KV cache (vLLM's loop).
 
     `add_request(prompt, params)` queues a request, `step()` runs one step and returns the
     requests that finished in it, `has_unfinished()` says whether any is left; `generate`
     does all three for a list of prompts. `stats` covers everything since the clock was last reset.
+    The KV pool holds `num_blocks` blocks; by default, room for `max_batch_size` requests of
+    `max_model_len` tokens each (prompt + new tokens; the model's context, at most 2,048).
     """
 
     def __init__(self, model, tok, scheduler: str = "continuous", max_batch_size: int = 8, block_size: int = 16,
-                 num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
+                 num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None):
         validate.model("model", model)
         if scheduler not in POLICIES:
             raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {scheduler!r}")
@@ -131,8 +137,11 @@ class LLMEngine:
         self.max_seq_len = model.config.max_seq_len
         self.max_batch_size = validate.integer("max_batch_size", max_batch_size, low=1)
         block_size = validate.integer("block_size", block_size, low=1, high=self.max_seq_len)
-        if num_blocks is None:    # room for a full batch at full context: preemption never needed
-            num_blocks = max_batch_size * -(-self.max_seq_len // block_size) + 1
+        # the longest request (prompt + new tokens) a default pool holds for every slot at once
+        self.max_model_len = validate.integer("max_model_len", max_model_len or min(self.max_seq_len,
+                                              DEFAULT_MAX_MODEL_LEN), low=1, high=self.max_seq_len)
+        if num_blocks is None:    # room for a full batch of the longest requests: preemption never needed
+            num_blocks = max_batch_size * -(-self.max_model_len // block_size) + 1
         num_blocks = validate.integer("num_blocks", num_blocks, low=2)          # block 0 is reserved
         budget = validate.integer("max_num_batched_tokens", max_num_batched_tokens or max(256, max_batch_size),
                                   low=max_batch_size)
