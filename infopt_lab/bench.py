@@ -68,6 +68,8 @@ def bench_decode(model_name: str = "target", new_tokens: int = 128, repeats: int
     weight_bytes = model_weight_bytes(model)
     bandwidth = measure_bandwidth_gbs(device=device)
     bound = bandwidth * 1e9 / weight_bytes                     # tokens/s if each step streamed the weights once
+    gemv = matvec_bandwidth_gbs(model)                         # what one matrix-vector product streams
+    bf16 = bf16_decode_tokens_per_s(model_name, tok, prompt, new_tokens) if device.type == "cpu" else None
     r = Result("decode: batch 1, greedy, KV cache")
     r.add("model", _describe(model_name, model, device))
     r.add("prompt / new tokens", f"{n_prompt} / {new_tokens}")
@@ -80,8 +82,46 @@ def bench_decode(model_name: str = "target", new_tokens: int = 128, repeats: int
     r.add("measured bandwidth", f"{bandwidth:.1f} GB/s")
     r.add("weight-streaming bound", f"{bound:.0f} tokens/s")
     r.add("fraction of bound reached", f"{new_tokens / t_ours / bound:.1%}")
-    r.values = {"same_tokens": same, "speedup": t_hf / t_ours, "fraction_of_bound": new_tokens / t_ours / bound}
+    r.add("one matrix-vector product", f"{gemv:.1f} GB/s streaming the head's weight alone: "
+                                       f"{gemv * 1e9 / weight_bytes:.0f} tokens/s if every weight streamed so; "
+                                       f"reached {new_tokens / t_ours / (gemv * 1e9 / weight_bytes):.1%} of that")
+    if bf16 is not None:
+        r.add("bf16 weights (same loop)", f"{bf16:.1f} tokens/s ({bf16 / (new_tokens / t_ours):.2f}x fp32)"
+                                          if bf16 else "this CPU has no fast bf16 matrix products: not measured")
+    r.values = {"same_tokens": same, "speedup": t_hf / t_ours, "fraction_of_bound": new_tokens / t_ours / bound,
+                "fraction_of_matvec_bound": new_tokens / t_ours / (gemv * 1e9 / weight_bytes), "bf16_tokens_per_s": bf16}
     return r
+
+
+def matvec_bandwidth_gbs(model, repeats: int = 5) -> float:
+    """GB/s at which one vector times the model's largest weight streams that weight (its layout as loaded)."""
+    from torch import nn
+    from .timing import time_fn
+    w = max((m.weight for m in model.modules() if isinstance(m, nn.Linear)), key=lambda t: t.numel())
+    x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        seconds = time_fn(lambda: torch.nn.functional.linear(x, w), repeats=repeats, warmup=2, device=w.device)
+    return w.numel() * w.element_size() / seconds / 1e9
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 matmuls crawl."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def bf16_decode_tokens_per_s(model_name: str, tok, prompt: str, new_tokens: int) -> float | None:
+    """Greedy tokens/s of the same loop with bf16 weights and activations on a CPU; None without native bf16."""
+    from .generate import generate
+    from .timing import time_fn
+    if not bf16_supported():
+        return None
+    model, _ = load_model(model_name, dtype=torch.bfloat16, device="cpu")
+    seconds = time_fn(lambda: generate(model, tok, prompt, max_new_tokens=new_tokens, stop_at_eos=False),
+                      repeats=2, warmup=1)
+    return new_tokens / seconds
 
 
 # A fixed piece of library-style code: the kv rung's prompt is its first `prompt_tokens` tokens.
@@ -259,6 +299,102 @@ def bench_batching(model_name: str = "target", n_requests: int = 64, max_batch_s
     return r
 
 
+PASS_SIZES = (1, 2, 3, 5, 9)
+
+
+def precision_variants(model, model_name: str, device) -> dict[str, torch.nn.Module]:
+    """fp32 (as loaded), bf16 where the CPU has it, int8 per-channel and int4 groups of 64."""
+    from .quantize import quantize_model
+    variants = {"fp32": model}
+    if device.type != "cpu" or bf16_supported():
+        variants["bf16"] = load_model(model_name, dtype=torch.bfloat16, device=device)[0]
+    variants["int8"] = quantize_model(model, "int8")
+    variants["int4 g64"] = quantize_model(model, "int4", group_size=64)
+    return variants
+
+
+def bench_precision(model_name: str = "target", context_len: int = 64, steps: int = 16,
+                    quality_tokens: int = 8192, n_prompts: int = 8, new_tokens: int = 32) -> Result:
+    """Decode speed, the cost of a pass over k + 1 tokens and quality, for each weight precision, in one run."""
+    from .quality import PROMPTS, evaluate, exact_match, greedy_ids, matched_prefix
+    from .quantize import quant_paths, state_dict_bytes
+    from .timing import time_cached_passes, time_decode_step
+    device = get_device()
+    model, tok = load_model(model_name, device=device)
+    variants = precision_variants(model, model_name, device)
+    step_s: dict[str, float] = {}
+    for _ in range(2):                         # two rounds in turn; each precision's better round
+        for name, m in variants.items():
+            t = time_decode_step(m, batch_size=1, context_len=context_len, steps=steps)
+            step_s[name] = min(step_s.get(name, float("inf")), t)
+    passes = {name: time_cached_passes(m, PASS_SIZES, context_len) for name, m in variants.items()}
+    prompts = PROMPTS[:n_prompts]
+    reference = [greedy_ids(model, tok, p, new_tokens) for p in prompts]
+    r = Result("precision: weight bytes, decode speed, (k+1)-token passes and quality, batch 1")
+    r.add("model", _describe(model_name, model, device) + f"; decode after {context_len} cached tokens")
+    base = step_s["fp32"]
+    ppl0 = None
+    values = {}
+    for name, m in variants.items():
+        paths = quant_paths(m)
+        ev = evaluate(m, tok, "val", max_tokens=quality_tokens)
+        ppl0 = ppl0 or ev.perplexity
+        ids = reference if name == "fp32" else [greedy_ids(m, tok, p, new_tokens) for p in prompts]
+        cost = passes[name]
+        r.add(name, f"{state_dict_bytes(m) / 2**20:6.1f} MiB, {1 / step_s[name]:6.1f} tokens/s "
+                    f"({base / step_s[name]:.2f}x fp32), perplexity {ev.perplexity:.3f} "
+                    f"({ev.perplexity / ppl0 - 1:+.2%}), greedy exact-match {exact_match(reference, ids, new_tokens):.0%} "
+                    f"(matched prefix {matched_prefix(reference, ids):.1f}/{new_tokens})")
+        r.add(f"  {name} path", ", ".join(f"{k} x{v}" for k, v in paths.items()) or "float matmuls")
+        r.add(f"  {name} pass over n tokens", ", ".join(f"n={n}: {cost[n] / cost[1]:.2f}x" for n in PASS_SIZES))
+        values[name] = {"tokens_per_s": 1 / step_s[name], "speedup": base / step_s[name],
+                        "perplexity": ev.perplexity, "exact_match": exact_match(reference, ids, new_tokens),
+                        "pass_cost": {n: cost[n] / cost[1] for n in PASS_SIZES}, "bytes": state_dict_bytes(m)}
+    r.add("quality scored on", f"{quality_tokens} validation tokens (perplexity) and the first {new_tokens} greedy "
+                               f"tokens of {len(prompts)} prompts (exact-match against fp32)")
+    r.values = values
+    return r
+
+
+def decode_throughput(model, tok, batch_size: int, new_tokens: int = 32, prompt: str = DEFAULT_PROMPT,
+                      repeats: int = 1) -> float:
+    """Decode tokens/s of the engine serving `batch_size` copies of a prompt at once (prefill excluded).
+
+    Only steps in which every row decodes count: the rate at which a full batch makes tokens.
+    """
+    from .engine import Engine
+    best = 0.0
+    for _ in range(repeats):
+        engine = Engine(model, tok, max_batch_size=batch_size, max_model_len=len(tok.encode(prompt)) + new_tokens)
+        outs = engine.generate([prompt] * batch_size, max_new_tokens=new_tokens, stop_at_eos=False)
+        steps = [r for r in outs.stats.timeline
+                 if len(r.rows) == batch_size and all(kind == "decode" for _, _, kind in r.rows)]
+        seconds = sum(r.end_s - r.start_s for r in steps)
+        best = max(best, batch_size * len(steps) / seconds)
+    return best
+
+
+def bench_batch_size(model_name: str = "target", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
+                     new_tokens: int = 32) -> Result:
+    """Total decode tokens/s of the engine against batch size: nearly free while the weights dominate."""
+    device = get_device()
+    model, tok = load_model(model_name, device=device)
+    decode_throughput(model, tok, 2, new_tokens=4)                       # warm-up
+    rates = {}
+    for b in batch_sizes:                                                # twice, in turn: the best of two
+        for _ in range(2):
+            rates[b] = max(rates.get(b, 0.0), decode_throughput(model, tok, b, new_tokens))
+    r = Result("batch size: total decode tokens/s on the engine")
+    r.add("model", _describe(model_name, model, device))
+    r.add("workload", f"the same prompt x batch size, {new_tokens} new tokens each, decode steps only")
+    base = rates[batch_sizes[0]]
+    for b, rate in rates.items():
+        r.add(f"batch {b}", f"{rate:.1f} tokens/s total ({rate / base:.2f}x batch {batch_sizes[0]}), "
+                            f"{b / rate * 1e3:.1f} ms per step")
+    r.values = {"tokens_per_s": rates, "scaling": {b: x / base for b, x in rates.items()}}
+    return r
+
+
 ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -352,6 +488,8 @@ LADDER: dict[str, Callable[..., Result]] = {
     "kv": bench_kv,
     "quant": bench_quant,
     "batching": bench_batching,
+    "batch_size": bench_batch_size,
+    "precision": bench_precision,
     "attention": bench_attention,
     "speculative": bench_speculative,
 }

@@ -38,10 +38,43 @@ def triton_mode() -> str:
     return "interpreter"
 
 
+def cpu_name() -> str:
+    """The processor's model name ("AMD EPYC 9R14", ...), or the platform's word for it."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's largest cache (Linux sysfs), or None where it cannot be read."""
+    sizes = []
+    for index in range(8):
+        path = f"/sys/devices/system/cpu/cpu0/cache/index{index}/size"
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes) if sizes else None
+
+
 def describe() -> dict[str, str]:
-    """Python, torch, device and Triton, for `infopt-lab doctor` and notebook headers."""
+    """Python, torch, device (which CPU, its vector units and cache) and Triton, for doctor and notebook headers."""
     dev = get_device()
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
+        cache = last_level_cache_bytes()
+        name = f"{cpu_name()}, {capability}" + (f", {cache / 2**20:.0f} MiB last-level cache" if cache else "")
     return {"python": sys.version.split()[0], "torch": torch.__version__,
             "device": f"{dev} ({name})", "threads": str(torch.get_num_threads()),
             "triton": triton_mode()}

@@ -76,11 +76,11 @@ def gptq_int4(w: Tensor, H: Tensor, group_size: int | None, damp: float = 0.01) 
 def gptq_quantize_model(model: nn.Module, calib_ids: Tensor, group_size: int | None = 64) -> nn.Module:
     """A new int4 model (same format as quantize_model(model, "int4")) rounded by GPTQ on `calib_ids` [B, T]."""
     moments = input_moments(model, calib_ids)
-    new = quantize_model(model, "int4", group_size)
+    new = quantize_model(model, "int4", group_size, quantize_tied_head=False)   # calibrated layers only
     for name, layer in new.named_modules():
         if not isinstance(layer, QuantLinear) or name not in moments:
             continue
-        w = model.get_submodule(name).weight.detach()
+        w = model.get_submodule(name).weight.detach().contiguous()
         q, scale, zero = gptq_int4(w, moments[name].to(w.device), group_size)
         layer.weight_q, layer.scales, layer.zeros = pack_int4(q), scale, zero
         layer.calibration = "gptq"

@@ -9,7 +9,7 @@ import torch
 from . import hub
 from .data import SPECIAL_TOKEN, load_tokenizer
 from .device import default_dtype, get_device
-from .model import Transformer
+from .model import Transformer, fuse_projections, set_weight_layout
 
 ASSETS = Path(__file__).parent / "assets" / "models"
 BUNDLED = ("target", "draft")
@@ -64,6 +64,9 @@ def load_model(name_or_path: str | Path = "target", dtype: torch.dtype | None = 
     device = torch.device(device) if device is not None else get_device()
     dtype = dtype or default_dtype(device)
     model = Transformer.from_pretrained(path, dtype=dtype, device=device)
+    if device.type == "cpu":     # the CPU's matrix-vector product streams column-major weights faster (model.py)
+        set_weight_layout(model, "column")
+    fuse_projections(model)      # q, k, v and gate, up as one product each: same weights, fewer calls
     if _course_tokenizer(path):
         tok = load_tokenizer(path)
     else:

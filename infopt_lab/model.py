@@ -49,6 +49,51 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+class Fusion:
+    """Linears that read the same input, run as one matrix product over a weight they all view into.
+
+    `fuse_projections` builds one per attention (q, k, v) and MLP (gate, up): one large
+    matrix-vector product streams faster than three small ones, and each projection keeps
+    its own name and parameter (a slice of the shared weight). Anything that replaces a
+    projection (quantization) or its weight (`.to()`, assignment), or hooks it, breaks the
+    sharing, and `holds` then tells the caller to run the projections one by one.
+    """
+
+    def __init__(self, linears: tuple[nn.Linear, ...]):
+        column = all(l.weight.stride(0) == 1 for l in linears)          # keep the layout they had
+        with torch.no_grad():
+            weight = torch.cat([l.weight.detach() for l in linears])    # (sum N_i, K)
+            self.weight = weight.t().contiguous().t() if column else weight
+            has_bias = [l.bias is not None for l in linears]
+            self.bias = torch.cat([l.bias.detach() for l in linears]) if all(has_bias) else None
+        if any(has_bias) and self.bias is None:
+            raise ValueError("either all fused linears have a bias or none does")
+        self.sizes, start = [l.out_features for l in linears], 0
+        for l, n in zip(linears, self.sizes):
+            l.weight = nn.Parameter(self.weight[start:start + n], requires_grad=l.weight.requires_grad)
+            if self.bias is not None:
+                l.bias = nn.Parameter(self.bias[start:start + n], requires_grad=l.bias.requires_grad)
+            start += n
+
+    def holds(self, linears: tuple[nn.Module, ...]) -> bool:
+        """Whether these are still plain, unhooked linears whose weights are the fused weight's slices.
+
+        A forward hook on a projection (GPTQ's calibration, a student's probe) must see it called,
+        so a hooked projection turns fusion off.
+        """
+        start, step = 0, self.weight.stride(0) * self.weight.element_size()
+        base = self.weight.data_ptr()
+        for l, n in zip(linears, self.sizes):
+            if type(l) is not nn.Linear or l.weight.data_ptr() != base + start * step \
+                    or l._forward_hooks or l._forward_pre_hooks:
+                return False
+            start += n
+        return True
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -59,13 +104,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(C, config.n_kv_heads * D, bias=config.qkv_bias)
         self.v_proj = nn.Linear(C, config.n_kv_heads * D, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * D, C, bias=False)
+        self.fused: Fusion | None = None            # q, k, v as one product (fuse_projections)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache) -> Tensor:
         # cache: anything with `attend(layer, q, k, v, input_pos)` (attention.py's contract)
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.fused is not None and self.fused.holds(projections):
+            q, k, v = self.fused(x)
+        else:
+            q, k, v = (p(x) for p in projections)
+        q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = k.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = cache.attend(self.layer, q, k, v, input_pos)                                # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
@@ -77,9 +128,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        self.fused: Fusion | None = None            # gate and up as one product (fuse_projections)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused is not None and self.fused.holds((self.gate_proj, self.up_proj)):
+            gate, up = self.fused(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -194,3 +250,49 @@ class Transformer(nn.Module):
         cos, sin = rope_cache(config)
         model.rope_cos, model.rope_sin = cos, sin
         return model.to(device=device, dtype=dtype).eval()
+
+
+def set_weight_layout(model: nn.Module, layout: str) -> nn.Module:
+    """Store every linear weight W [N, K] "row" major (PyTorch's default) or "column" major, in place.
+
+    Column-major keeps W's shape and values (it is the transpose of a contiguous [K, N] array),
+    so everything that reads W is unchanged; only the matrix-vector product that decoding runs
+    streams it differently. Measured on a 2-core AMD EPYC (AVX-512), SmolLM2-135M in fp32: a
+    batch-1 decode step took 50 ms column-major against 57 ms row-major (the 49,152 x 576 head
+    alone 5.7 ms against 10 ms); batch 8 and prefill were unchanged. `load_model` uses it on CPUs. A head tied to the embedding keeps sharing its storage. Returns the model.
+    """
+    if layout not in ("row", "column"):
+        raise ValueError(f"layout must be 'row' or 'column', got {layout!r}")
+    relaid: dict[int, nn.Parameter] = {}            # old weight's id -> its re-laid parameter
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                w = module.weight
+                if id(w) not in relaid:
+                    data = w.detach().t().contiguous().t() if layout == "column" else w.detach().contiguous()
+                    relaid[id(w)] = nn.Parameter(data, requires_grad=w.requires_grad)
+                module.weight = relaid[id(w)]
+        for module in model.modules():              # an embedding tied to a head follows it
+            if isinstance(module, nn.Embedding) and id(module.weight) in relaid:
+                module.weight = relaid[id(module.weight)]
+    return model
+
+
+def weight_layout(model: nn.Module) -> str:
+    """"column" when the model's linear weights are stored column-major, else "row"."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return "column" if linears and all(m.weight.stride(0) == 1 for m in linears) else "row"
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Run each attention's q, k, v and each MLP's gate and up as one matrix product (see Fusion), in place.
+
+    Same weights, same names, same state_dict; fewer, larger products. Apply it after
+    `set_weight_layout`, whose new tensors would undo it. Returns the model.
+    """
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.fused = Fusion((module.q_proj, module.k_proj, module.v_proj))
+        elif isinstance(module, MLP):
+            module.fused = Fusion((module.gate_proj, module.up_proj))
+    return model

@@ -52,3 +52,20 @@ def dequantize(q: Tensor, scale: Tensor, zero: Tensor | None = None,
     if zero is not None:
         g = g - zero.float()[..., None]
     return (g * scale.float()[..., None]).reshape(N, K).to(dtype)
+
+
+# -- the same int4 weights in the form of PyTorch's CPU int4 kernel --------------------------------
+def int4_kernel_scales_and_zeros(scales: Tensor, zeros: Tensor, group_size: int, kernel_group: int,
+                                 dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Our (scale, integer zero) per group as the (scale, float offset) pairs of aten._weight_int4pack_mm_for_cpu.
+
+    The kernel reads w = (q - 8) * scale + offset; ours is w = (q - zero) * scale, so offset = (8 - zero) * scale,
+    exact in real arithmetic. The kernel's groups may be finer than ours (`kernel_group` divides `group_size`):
+    each of our groups' pair is repeated over the kernel groups it covers.
+    scales, zeros [N, K/group_size] -> [K/kernel_group, N, 2] in `dtype` (the kernel takes bf16 here).
+    """
+    if group_size % kernel_group:
+        raise ValueError(f"kernel_group must divide group_size {group_size}, got {kernel_group}")
+    s = scales.float().repeat_interleave(group_size // kernel_group, dim=1)      # (N, K/kernel_group)
+    z = zeros.float().repeat_interleave(group_size // kernel_group, dim=1)
+    return torch.stack((s, (8.0 - z) * s), dim=-1).transpose(0, 1).contiguous().to(dtype)   # (K/kg, N, 2)

@@ -11,18 +11,37 @@ from __future__ import annotations
 
 import copy
 import functools
+import platform
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .quant_format import dequantize, pack_int4, unpack_int4   # the stored format, shared with the int4 kernel
+from .quant_format import (dequantize, int4_kernel_scales_and_zeros, pack_int4,   # the stored format, shared
+                           unpack_int4)                                            # with the int4 kernels
 
 SCHEMES = ("int8", "int4")
-INT8_KERNEL = "aten._weight_int8pack_mm"
-DEQUANT_MATMUL = "dequantize+matmul"
+INT8_KERNEL = "aten._weight_int8pack_mm"            # int8 weights x bf16 activations on a CPU (x's dtype on CUDA)
+INT4_KERNEL = "aten._weight_int4pack_mm_for_cpu"    # int4 weights x bf16 activations on a CPU, packed at quantization
+DEQUANT_MATMUL = "dequantize+matmul"                # the fallback: a float copy of W, then F.linear
 TRITON_INT4 = "triton int4 dequantize-matmul"
-INT8_KERNEL_MAX_ROWS = 16   # the fused int8 kernel wins at decode (few rows); prefill dequantizes once
+INT4_KERNEL_GROUPS = (256, 128, 64, 32)             # the group sizes aten._weight_int4pack_mm_for_cpu takes
+# Up to how many rows (tokens) a call runs the weight-only kernel; more rows dequantize and run one float matmul.
+# Measured on SmolLM2-135M (fp32 model, 2 cores of an AMD EPYC with AVX-512 bf16, torch 2.14): one cached
+# forward pass of n new tokens after 64 cached ones, whole model on one path, ms, interleaved medians
+# (a shared machine: single figures are noisy, the trends are not):
+#   n                  1     3     5     9    16    32    64   128   256   512  1024
+#   fp32 F.linear     62   112    70    97   105   149   210   340   590  1198  2278
+#   int8 kernel       23    26    32    56    71   113   193   356   702  1547  2974
+#   int8 dequant     185   163   141   260   263   248   285   452   691  1514  2308
+#   int4 kernel       16    21    26    38    48    77   146   269   548  1177  2473
+#   int4 dequant     326   280   241   372   373   334   390   531   803  1485  2460
+# Dequantizing costs a fixed ~120 ms (int8) / ~260 ms (int4) per pass, so the kernels win every decode and
+# verify pass and short prefills. The int8 kernel is even at 256 rows (faster in a second run) and loses from
+# 512; the int4 kernel wins to 512 and is even at 1024. Past that, the dequantize path: as fast, and it
+# computes in the model's own dtype (no bf16 rounding of the activations).
+INT8_KERNEL_MAX_ROWS = 256
+INT4_KERNEL_MAX_ROWS = 512
 
 
 # -- checks ----------------------------------------------------------------------------------------
@@ -96,7 +115,16 @@ def quantization_error(w: Tensor, w_hat: Tensor) -> dict[str, float]:
     return {"max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(), "rel_rms": rel.item()}
 
 
-# -- the int8 weight-only kernel -------------------------------------------------------------------
+# -- PyTorch's weight-only kernels -----------------------------------------------------------------
+def cpu_kernels_fast() -> bool:
+    """Whether this CPU runs the vectorized code of the weight-only kernels (AVX2/AVX-512 on x86, NEON on Arm).
+
+    Elsewhere they fall back to scalar loops, slower than dequantize+matmul.
+    """
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")()
+    return capability.startswith("AVX") or platform.machine().lower() in ("arm64", "aarch64")
+
+
 @functools.cache
 def int8_kernel_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether aten._weight_int8pack_mm runs and is correct for activations of this device and dtype."""
@@ -114,8 +142,59 @@ def int8_kernel_works(device_type: str, dtype: torch.dtype) -> bool:
     return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()))
 
 
+def int4_kernel_group(group_size: int) -> int | None:
+    """The group size the CPU int4 kernel runs a layer of ours with: the largest of its sizes dividing ours, or None."""
+    return next((g for g in INT4_KERNEL_GROUPS if group_size % g == 0), None)
+
+
+def pack_int4_for_cpu_kernel(weight_q: Tensor, scales: Tensor, zeros: Tensor,
+                             in_features: int) -> tuple[Tensor, Tensor, int]:
+    """Our packed int4 layer as aten._weight_int4pack_mm_for_cpu's operands: (packed weight, scales and offsets, group).
+
+    The integers are the same; the kernel's own packing (a tiled order of nibbles) is PyTorch's business, so it is
+    done by PyTorch's converter. Raises ValueError where the kernel cannot take the layer.
+    """
+    N, K = weight_q.shape[0], in_features
+    group_size = K // scales.shape[-1]
+    kernel_group = int4_kernel_group(group_size)
+    if kernel_group is None:
+        raise ValueError(f"group size {group_size} is not a multiple of one the kernel takes {INT4_KERNEL_GROUPS}")
+    if N % 16:
+        raise ValueError(f"{N} output features are not a multiple of 16")
+    q = unpack_int4(weight_q.cpu(), K).to(torch.int32)                               # (N, K) in 0..15
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)                 # (N, K/2) uint8, tiled
+    sz = int4_kernel_scales_and_zeros(scales.cpu(), zeros.cpu(), group_size, kernel_group)   # (K/kg, N, 2) bf16
+    return packed, sz, kernel_group
+
+
+@functools.cache
+def int4_kernel_works() -> bool:
+    """Whether aten._weight_int4pack_mm_for_cpu (and its converter) exist, run and agree with our dequantize on a CPU."""
+    if not all(hasattr(torch.ops.aten, op) for op in ("_weight_int4pack_mm_for_cpu",
+                                                      "_convert_weight_to_int4pack_for_cpu")):
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 128, generator=g)
+    q, s, z = quantize_asymmetric(w, 4, 64)
+    x = torch.randn(3, 128, generator=g).to(torch.bfloat16)
+    try:
+        packed, sz, kg = pack_int4_for_cpu_kernel(pack_int4(q), s, z, 128)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kg, sz)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    ref = x.float() @ dequantize(q, s, z).T
+    return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()))
+
+
 class QuantLinear(nn.Module):
-    """A linear layer whose weight is stored as integers + scales (+ zero points) and dequantized to compute."""
+    """A linear layer whose weight is stored as integers + scales (+ zero points) and dequantized to compute.
+
+    `path` names how forward computes: a weight-only kernel (INT8_KERNEL, INT4_KERNEL, TRITON_INT4) or
+    DEQUANT_MATMUL, with `fallback_reason` saying why no kernel. On a CPU the kernels compute in bf16
+    (`compute_dtype`): the input is rounded to bf16 and the output cast back to its dtype. The state_dict is
+    the course's format (`quant_format.py`) on every path; the CPU int4 kernel's own packing of the same
+    integers is a cache beside it, rebuilt when weight_q, scales or zeros are replaced or changed in place.
+    """
 
     def __init__(self, in_features: int, out_features: int, scheme: str, group_size: int | None,
                  bias: Tensor | None, dtype: torch.dtype):
@@ -124,13 +203,14 @@ class QuantLinear(nn.Module):
             raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.group_size, self.dtype = scheme, group_size, dtype
-        self.path = DEQUANT_MATMUL
+        self.path, self.compute_dtype, self.fallback_reason = DEQUANT_MATMUL, dtype, None
+        self._kernel_cache = None                                 # (sources and their versions, kernel operands)
         self.register_buffer("bias", bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int | None = None) -> "QuantLinear":
         """Quantize an nn.Linear: int8 symmetric per-channel, or int4 asymmetric group-wise, packed."""
-        w = linear.weight.detach()
+        w = linear.weight.detach().contiguous()      # row-major, whatever layout the model keeps
         check_float(w)
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         m = cls(linear.in_features, linear.out_features, scheme, group_size, bias, w.dtype)
@@ -145,22 +225,83 @@ class QuantLinear(nn.Module):
             m.register_buffer("weight_q", pack_int4(q))           # (N, K/2) uint8
             m.register_buffer("scales", scale)                    # (N, K/G)
             m.register_buffer("zeros", zero)                      # (N, K/G) uint8
-        m.choose_path(w.device, w.dtype)
+        m.choose_path(w.device, w.dtype)                          # the CPU int4 kernel's packing happens here
         return m
 
     def choose_path(self, device: torch.device, dtype: torch.dtype) -> str:
-        """Pick the fastest correct path for this device and dtype, and record it in `self.path`."""
+        """Pick the fastest correct path for this device and dtype, and record it in `self.path`.
+
+        The reason for falling back to DEQUANT_MATMUL, if it does, goes in `self.fallback_reason`.
+        """
         from .device import HAS_TRITON
-        if self.scheme == "int8" and int8_kernel_works(device.type, dtype):
-            self.path = INT8_KERNEL
-        elif self.scheme == "int4" and device.type == "cuda" and HAS_TRITON:
-            self.path = TRITON_INT4
+        device = torch.device(device)
+        path, compute, reason = DEQUANT_MATMUL, dtype, None
+        if self.scheme == "int8":
+            if device.type == "cpu":                              # fp32 activations: 7.8x slower than F.linear;
+                if not int8_kernel_works("cpu", torch.bfloat16):  # bf16: faster than it
+                    reason = f"{INT8_KERNEL} does not run correctly with bf16 activations (torch {torch.__version__})"
+                elif not cpu_kernels_fast():
+                    reason = "this CPU has no vectorized code for the int8 kernel"
+                else:
+                    path, compute = INT8_KERNEL, torch.bfloat16
+            elif int8_kernel_works(device.type, dtype):
+                path = INT8_KERNEL
+            else:
+                reason = f"{INT8_KERNEL} does not run correctly for {dtype} on {device.type}"
+        elif device.type == "cuda":
+            if HAS_TRITON:
+                path = TRITON_INT4
+            else:
+                reason = "Triton is not installed"
+        elif device.type == "cpu":
+            if not int4_kernel_works():
+                reason = f"torch {torch.__version__} has no working {INT4_KERNEL}"
+            elif not cpu_kernels_fast():
+                reason = "this CPU has no vectorized code for the int4 kernel"
+            else:
+                try:
+                    self._kernel_cache = None
+                    self._kernel_operands()                       # pack now: it also says whether the kernel can
+                    path, compute = INT4_KERNEL, torch.bfloat16   # take this layer's shape and group size
+                except ValueError as e:
+                    reason = f"{INT4_KERNEL} cannot take this layer: {e}"
         else:
-            self.path = DEQUANT_MATMUL
+            reason = f"no weight-only int4 kernel for {device.type}"
+        if path != INT4_KERNEL:
+            self._kernel_cache = None                             # no second copy of the weights when unused
+        self.path, self.compute_dtype, self.fallback_reason = path, compute, reason
         return self.path
 
+    # -- the kernels' operands, derived from the stored format and cached -------------------------
+    def _kernel_sources(self) -> tuple:
+        """The stored tensors the kernel operands are made from, with their version counters."""
+        b = self._buffers
+        tensors = (b["weight_q"], b["scales"], b.get("zeros"))
+        try:
+            versions = tuple(t._version if t is not None else 0 for t in tensors)
+        except RuntimeError:                                      # inference tensors keep no version counter
+            versions = None
+        return tensors, versions
+
+    def _kernel_operands(self):
+        """bf16 scales for the int8 kernel; (packed weight, scales and offsets, group) for the CPU int4 kernel."""
+        tensors, versions = self._kernel_sources()
+        cache = self._kernel_cache
+        if cache is not None and cache[1] == versions and all(a is b for a, b in zip(cache[0], tensors)):
+            return cache[2]
+        if self.scheme == "int8":
+            operands = self.scales.to(self.compute_dtype)
+        else:
+            operands = pack_int4_for_cpu_kernel(self.weight_q, self.scales, self.zeros, self.in_features)
+        self._kernel_cache = (tensors, versions, operands)
+        return operands
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)          # copies into the buffers in place
+        self._kernel_cache = None
+
     def dequantized_weight(self) -> Tensor:
-        """The float weight [N, K] this layer computes with."""
+        """The float weight [N, K] this layer computes with (the kernels: up to their bf16 rounding)."""
         if self.scheme == "int8":
             return dequantize(self.weight_q, self.scales[:, None], dtype=self.dtype)
         q = unpack_int4(self.weight_q, self.in_features)          # (N, K)
@@ -170,20 +311,25 @@ class QuantLinear(nn.Module):
         # x: [..., K] -> [..., N]
         rows = x.numel() // self.in_features
         if self.path == INT8_KERNEL and rows <= INT8_KERNEL_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight_q,
-                                                   self.scales.to(x.dtype))
-            y = y.reshape(*x.shape[:-1], self.out_features)
-            return y + self.bias if self.bias is not None else y
-        if self.path == TRITON_INT4:
+            x2 = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()   # (rows, K)
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_q, self._kernel_operands())
+        elif self.path == INT4_KERNEL and rows <= INT4_KERNEL_MAX_ROWS and x.device.type == "cpu":
+            packed, scales_and_zeros, group = self._kernel_operands()
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()       # (rows, K)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group, scales_and_zeros)
+        elif self.path == TRITON_INT4:
             from .kernels.int4_matmul import int4_matmul   # here, not at the top: it imports Triton
             y = int4_matmul(x.reshape(-1, self.in_features), self.weight_q, self.scales, self.zeros)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-            return y + self.bias if self.bias is not None else y
-        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        else:
+            return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.scheme == "int4" else ""
-        return f"{self.in_features}, {self.out_features}, {self.scheme}{g}, path={self.path!r}"
+        how = f", compute_dtype={self.compute_dtype}" if self.path in (INT8_KERNEL, INT4_KERNEL) else ""
+        why = f", fallback_reason={self.fallback_reason!r}" if self.fallback_reason else ""
+        return f"{self.in_features}, {self.out_features}, {self.scheme}{g}, path={self.path!r}{how}{why}"
 
 
 def quantize_linear(linear: nn.Linear, scheme: str, group_size: int | None = None) -> QuantLinear:
@@ -194,15 +340,26 @@ def quantize_linear(linear: nn.Linear, scheme: str, group_size: int | None = Non
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
-                   skip: tuple[str, ...] = ()) -> nn.Module:
+                   skip: tuple[str, ...] = (), quantize_tied_head: bool = True,
+                   head_scheme: str | None = None) -> nn.Module:
     """A deep copy of `model` with every nn.Linear swapped for a QuantLinear; the original is untouched.
 
-    A head tied to the embedding stays in float (the embedding lookup needs the float table anyway).
+    A head tied to the embedding is quantized too unless `quantize_tied_head=False`: it is the largest single
+    matmul of a small model (49152 x 576 in SmolLM2-135M, a fifth of its weights). The copy is then untied: the
+    embedding keeps its float table (a lookup gathers rows of it, nothing to multiply) and the head its integers,
+    so the state_dict grows by the quantized head while decoding reads far fewer bytes per token.
+    `head_scheme` gives the output head its own scheme (None: the same as the rest), as GGUF files often
+    keep the embedding and head at 8 bits under 4-bit layers; an int4 head uses `group_size` too.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch nn.Module (e.g. from lab.load_model), got {type(model).__name__}")
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
+    head_scheme = scheme if head_scheme is None else head_scheme
+    if head_scheme not in SCHEMES:
+        raise ValueError(f"head_scheme must be one of {list(SCHEMES)} or None (same as scheme), got {head_scheme!r}")
+    if not isinstance(quantize_tied_head, bool):
+        raise TypeError(f"quantize_tied_head must be True or False, got {quantize_tied_head!r}")
     done = sorted({m.scheme for m in model.modules() if isinstance(m, QuantLinear)})
     if done:
         raise ValueError(f"model is already quantized ({', '.join(done)}); quantize the float model instead "
@@ -211,12 +368,23 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
         raise ValueError("model has no nn.Linear layer to quantize")
     new = copy.deepcopy(model)
     tied = {id(m.weight) for m in new.modules() if isinstance(m, nn.Embedding)}
+    untied = False
     for name, module in list(new.named_modules()):
-        if not isinstance(module, nn.Linear) or name in skip or id(module.weight) in tied:
+        if not isinstance(module, nn.Linear) or name in skip:
             continue
+        if id(module.weight) in tied:
+            if not quantize_tied_head:
+                continue
+            untied = True                                         # the embedding keeps the float Parameter
+        is_head = id(module.weight) in tied or name == "lm_head"
+        this, group = (scheme, group_size) if not is_head else \
+            (head_scheme, group_size if head_scheme == "int4" else None)
         parent_name, _, child = name.rpartition(".")
         parent = new.get_submodule(parent_name) if parent_name else new
-        setattr(parent, child, quantize_linear(module, scheme, group_size))
+        setattr(parent, child, quantize_linear(module, this, group))
+    config = getattr(new, "config", None)
+    if untied and getattr(config, "tie_embeddings", False):
+        config.tie_embeddings = False                             # the copy's own config: the head is its own now
     return new
 
 

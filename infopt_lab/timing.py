@@ -177,3 +177,25 @@ def time_decode_step(model, batch_size: int = 1, context_len: int = 32, steps: i
             decode_one_token(model, token, context_len + i, cache)
 
     return time_fn(run_steps, repeats=repeats, warmup=1, device=ids.device, clock=clock) / steps
+
+
+@torch.inference_mode()
+def time_cached_passes(model, sizes: Sequence[int] = (1, 2, 3, 5, 9), context_len: int = 64,
+                       repeats: int = 5, clock: Clock = time.perf_counter) -> dict[int, float]:
+    """Median seconds of one cached forward pass over n new tokens after `context_len` cached ones, per n.
+
+    Speculative decoding verifies k drafted tokens in one pass over k + 1: what that pass costs
+    against a one-token step is what it pays. The sizes run in turn, so drift hits them alike.
+    """
+    from .generate import prefill
+    from .kv_cache import KVCache
+    sizes = [_positive_int("n", n) for n in sizes]
+    ids = _random_ids(model, 1, _positive_int("context_len", context_len) + max(sizes))
+    cache = KVCache.for_model(model, 1, context_len + max(sizes))
+    prefill(model, ids[:, :context_len], cache)
+
+    def run(n):            # the same positions every time: the cache is overwritten in place
+        return lambda: model(ids[:, context_len:context_len + n],
+                             torch.arange(context_len, context_len + n, device=ids.device), cache)
+
+    return time_interleaved({n: run(n) for n in sizes}, repeats=repeats, warmup=1, device=ids.device, clock=clock)

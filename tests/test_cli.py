@@ -22,3 +22,13 @@ def test_console_script_rejects_unknown_bench():
     proc = subprocess.run([sys.executable, "-m", "infopt_lab.cli", "bench", "--only", "nope"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_bench_precision_and_batch_size_rungs_report_every_variant(tiny_dir):
+    from infopt_lab.bench import bench_batch_size, bench_precision
+    r = bench_precision(str(tiny_dir), context_len=8, steps=2, quality_tokens=256, n_prompts=2, new_tokens=4)
+    assert {"fp32", "int8", "int4 g64"} <= set(r.values)
+    assert r.values["fp32"]["exact_match"] == 1.0 and r.values["fp32"]["pass_cost"][1] == 1.0
+    assert "int8 path" in r.render()
+    b = bench_batch_size(str(tiny_dir), batch_sizes=(1, 2), new_tokens=4)
+    assert set(b.values["tokens_per_s"]) == {1, 2} and b.values["scaling"][1] == 1.0

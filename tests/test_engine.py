@@ -202,3 +202,16 @@ def test_generate_never_drops_requests_added_by_hand(tiny):
     while engine.has_unfinished():
         engine.step()
     assert engine.generate(["y = 2"], max_new_tokens=2, stop_at_eos=False)[0].ok
+
+
+def test_default_pool_is_sized_by_max_model_len_not_the_whole_context(tiny):
+    from infopt_lab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
+    model, tok = tiny
+    engine = lab.Engine(model, tok, max_batch_size=2, block_size=16, max_model_len=40)
+    assert engine.blocks.capacity == 2 * 3                                   # 40 tokens -> 3 blocks per slot
+    out = engine.generate(["def f(x):"], max_new_tokens=8)
+    assert len(out[0].token_ids) >= 1
+    default = lab.Engine(model, tok, max_batch_size=2, block_size=16)
+    assert default.max_model_len == min(model.config.max_seq_len, DEFAULT_MAX_MODEL_LEN)
+    with pytest.raises(ValueError, match="max_model_len"):
+        lab.Engine(model, tok, max_model_len=model.config.max_seq_len + 1)

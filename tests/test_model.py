@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+import infopt_lab as lab
 from infopt_lab.config import ModelConfig, get_preset
 from infopt_lab.kv_cache import KVCache
 from infopt_lab.model import Transformer
@@ -86,3 +87,42 @@ def test_positions_past_context_are_rejected(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match="past the model's context"):
         model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([model.config.max_seq_len]))
+
+
+def test_loaded_models_run_fused_column_major_projections_with_the_same_logits():
+    from infopt_lab.model import Transformer, weight_layout
+    model, _ = lab.load_model("target")
+    plain = Transformer.from_pretrained(lab.loading.resolve_model_dir("target"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert weight_layout(model) == "column" and weight_layout(plain) == "row"
+    assert attn.fused.holds((attn.q_proj, attn.k_proj, attn.v_proj)) and mlp.fused.holds((mlp.gate_proj, mlp.up_proj))
+    assert model.lm_head.weight is model.embed_tokens.weight                       # still tied
+    assert sorted(model.state_dict()) == sorted(plain.state_dict())               # same names, same tensors
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), plain(ids), rtol=0, atol=1e-5)
+        seen = []                                                                 # a hook must see its layer
+        handle = attn.k_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+        torch.testing.assert_close(model(ids), plain(ids), rtol=0, atol=1e-5)
+        handle.remove()
+        assert seen == [(2, 19, model.config.n_kv_heads * model.config.head_dim)]
+        attn.q_proj.weight.mul_(2.0)                                              # in place: the fused weight sees it
+        plain.layers[0].self_attn.q_proj.weight.mul_(2.0)
+        torch.testing.assert_close(model(ids), plain(ids), rtol=0, atol=1e-5)
+        half = model.to(torch.bfloat16)                                           # new tensors: fusion steps aside
+        assert not half.layers[0].self_attn.fused.holds((half.layers[0].self_attn.q_proj,
+                                                         half.layers[0].self_attn.k_proj,
+                                                         half.layers[0].self_attn.v_proj))
+        torch.testing.assert_close(half(ids).float(), plain.to(torch.bfloat16)(ids).float(), rtol=0, atol=0)
+
+
+def test_weight_layout_round_trips_and_refuses_unknown_layouts():
+    from infopt_lab.model import set_weight_layout, weight_layout
+    model, _ = lab.load_model("draft")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        before = model(ids)
+        assert weight_layout(set_weight_layout(model, "row")) == "row"
+        torch.testing.assert_close(model(ids), before, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="'row' or 'column'"):
+        set_weight_layout(model, "diagonal")

@@ -2,19 +2,29 @@
 from __future__ import annotations
 
 import ast
+import copy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import infopt_lab as lab
-from infopt_lab import gptq, quality
+from infopt_lab import gptq, quality, quantize
 from infopt_lab.kv_cache import KVCache
 from infopt_lab.kv_quant import QuantizedKVCache
-from infopt_lab.quantize import DEQUANT_MATMUL, INT8_KERNEL, int8_kernel_works, quant_paths
+from infopt_lab.quantize import (DEQUANT_MATMUL, INT4_KERNEL, INT8_KERNEL, cpu_kernels_fast, int4_kernel_works,
+                                 int8_kernel_works, quant_paths)
+
+KERNELS_HERE = {"int8": cpu_kernels_fast() and int8_kernel_works("cpu", torch.bfloat16),
+                "int4": cpu_kernels_fast() and int4_kernel_works()}   # what this machine's CPU runs
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # -- packing ----------------------------------------------------------------------------------------
@@ -129,18 +139,156 @@ def test_quant_linear_matches_dequantized_matmul(scheme, group_size):
     torch.manual_seed(0)
     linear = nn.Linear(128, 48)
     ql = lab.quantize_linear(linear, scheme, group_size)
-    for rows in (1, 40):                                               # decode (kernel) and prefill
-        x = torch.randn(2, rows, 128)
+    max_rows = quantize.INT8_KERNEL_MAX_ROWS if scheme == "int8" else quantize.INT4_KERNEL_MAX_ROWS
+    for rows in (1, 40, max_rows + 1):                                 # decode, a short prefill (kernel), a long one
+        x = torch.randn(1, rows, 128)
         expected = x @ ql.dequantized_weight().T + linear.bias
-        torch.testing.assert_close(ql(x), expected, rtol=1e-4, atol=1e-4)
+        if ql.path in (INT8_KERNEL, INT4_KERNEL) and rows <= max_rows:   # the CPU kernels compute in bf16
+            assert _rel(ql(x), expected) < 5e-3
+        else:
+            torch.testing.assert_close(ql(x), expected, rtol=1e-4, atol=1e-4)
         rel = (ql(x) - linear(x)).norm() / linear(x).norm()
         assert rel < (0.01 if scheme == "int8" else 0.15)
 
 
 def test_int8_uses_the_fused_kernel_where_it_works():
     ql = lab.quantize_linear(nn.Linear(64, 32), "int8")
-    assert ql.path == (INT8_KERNEL if int8_kernel_works("cpu", torch.float32) else DEQUANT_MATMUL)
-    assert lab.quantize_linear(nn.Linear(64, 32), "int4", 32).path == DEQUANT_MATMUL
+    assert ql.path == (INT8_KERNEL if KERNELS_HERE["int8"] else DEQUANT_MATMUL)
+    assert lab.quantize_linear(nn.Linear(64, 32), "int4", 32).path == (INT4_KERNEL if KERNELS_HERE["int4"]
+                                                                       else DEQUANT_MATMUL)
+
+
+# -- PyTorch's CPU weight-only kernels ------------------------------------------------------------------
+needs_int4_kernel = pytest.mark.skipif(not KERNELS_HERE["int4"], reason="no working CPU int4 kernel here")
+
+
+@pytest.mark.parametrize("scheme,group_size,K", [("int8", None, 576), ("int4", 64, 576), ("int4", 128, 1536),
+                                                 ("int4", None, 192), ("int4", 32, 96)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_kernel_paths_equal_the_dequantized_reference_up_to_bf16(scheme, group_size, K, bias):
+    if not KERNELS_HERE[scheme]:
+        pytest.skip(f"no working CPU {scheme} kernel here")
+    g = torch.Generator().manual_seed(K)
+    linear = nn.Linear(K, 48, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(0.02 * torch.randn(48, K, generator=g))
+    ql = lab.quantize_linear(linear, scheme, group_size)
+    assert ql.path == (INT8_KERNEL if scheme == "int8" else INT4_KERNEL) and ql.compute_dtype == torch.bfloat16
+    assert ql.fallback_reason is None and ql.path in repr(ql)
+    for shape in [(1, K), (2, 1, K), (1, 9, K), (3, 5, K)]:          # decode, a batch, a verify pass, a prefill
+        x = torch.randn(*shape, generator=g)
+        y, expected = ql(x), F.linear(x, ql.dequantized_weight(), ql.bias)
+        assert y.shape == expected.shape and y.dtype == x.dtype
+        assert _rel(y, expected) < 5e-3, shape                       # bf16 activations: ~2**-9 per element
+    xt = torch.randn(K, 4, generator=g).T                              # a non-contiguous input
+    assert _rel(ql(xt), F.linear(xt, ql.dequantized_weight(), ql.bias)) < 5e-3
+
+
+@needs_int4_kernel
+def test_int4_kernel_packing_round_trips_exactly():
+    """The kernel's packed weights hold exactly our integers, and its (scale, offset) pairs our scale and zero."""
+    from infopt_lab.quant_format import int4_kernel_scales_and_zeros
+    g = torch.Generator().manual_seed(0)
+    N, K = 64, 256
+    q, s, z = lab.quantize_asymmetric(torch.randn(N, K, generator=g), 4, 128)
+    eye = torch.eye(K, dtype=torch.bfloat16)                           # x = I reads the weight the kernel uses
+    # unit scales: the kernel's weight (q - 8) * 1 + (8 - zero) is an integer, exact in bf16
+    packed, sz, kg = quantize.pack_int4_for_cpu_kernel(lab.pack_int4(q), torch.ones_like(s), z, K)
+    assert kg == 128 and packed.dtype == torch.uint8 and sz.shape == (K // kg, N, 2) and sz.dtype == torch.bfloat16
+    w_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, kg, sz).T     # (N, K)
+    assert torch.equal(w_kernel.float(), lab.dequantize(q, torch.ones_like(s), z))
+    # real scales: exactly our formula with the scale and offset rounded to bf16 (the kernel's one rounding)
+    packed, sz, kg = quantize.pack_int4_for_cpu_kernel(lab.pack_int4(q), s, z, K)
+    w_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, kg, sz).T
+    scale, offset = sz.float().transpose(0, 1).unbind(-1)              # (N, K/kg) each
+    want = (q.float().reshape(N, -1, kg) - 8) * scale[..., None] + offset[..., None]
+    assert torch.equal(w_kernel, want.reshape(N, K).to(torch.bfloat16))
+    assert _rel(w_kernel, lab.dequantize(q, s, z)) < 4e-3
+    # the mapping itself, in fp32: (q - 8) * scale + (8 - zero) * scale == (q - zero) * scale; groups split finer
+    sz32 = int4_kernel_scales_and_zeros(s, z, 128, 32, dtype=torch.float32)   # (K/32, N, 2)
+    scale, offset = sz32.transpose(0, 1).unbind(-1)
+    w32 = ((q.float().reshape(N, -1, 32) - 8) * scale[..., None] + offset[..., None]).reshape(N, K)
+    torch.testing.assert_close(w32, lab.dequantize(q, s, z), rtol=0, atol=1e-6)
+
+
+@needs_int4_kernel
+def test_int4_kernel_follows_replaced_and_edited_weights():
+    """GPTQ replaces weight_q/scales/zeros after quantizing; load_state_dict copies in place: the packing follows."""
+    g = torch.Generator().manual_seed(1)
+    ql = lab.quantize_linear(nn.Linear(128, 32, bias=False), "int4", 32)
+    x = torch.randn(2, 128, generator=g)
+    check = lambda: _rel(ql(x), x @ ql.dequantized_weight().T) < 5e-3
+    assert ql.path == INT4_KERNEL and check()
+    q, s, z = lab.quantize_asymmetric(torch.randn(32, 128, generator=g), 4, 32)
+    ql.weight_q, ql.scales, ql.zeros = lab.pack_int4(q), s, z          # what gptq_quantize_model does
+    assert check()
+    other = lab.quantize_linear(nn.Linear(128, 32, bias=False), "int4", 32)
+    ql.load_state_dict(other.state_dict())                             # in place, into the same tensors
+    torch.testing.assert_close(ql(x), other(x))
+    with torch.no_grad():
+        ql.scales.mul_(2)                                              # an in-place edit
+    assert check()
+    copied = copy.deepcopy(ql)
+    torch.testing.assert_close(copied(x), ql(x))
+
+
+def test_fallback_is_named_when_the_kernels_are_unavailable(monkeypatch):
+    monkeypatch.setattr(quantize, "int4_kernel_works", lambda: False)          # e.g. a torch without the ops
+    monkeypatch.setattr(quantize, "int8_kernel_works", lambda device_type, dtype: False)
+    linear = nn.Linear(128, 48)
+    x = torch.randn(3, 128)
+    for scheme, g, kernel in [("int8", None, INT8_KERNEL), ("int4", 32, INT4_KERNEL)]:
+        ql = lab.quantize_linear(linear, scheme, g)
+        assert ql.path == DEQUANT_MATMUL and kernel in ql.fallback_reason and ql.fallback_reason in repr(ql)
+        assert ql._kernel_cache is None                                 # no packed copy kept for nothing
+        torch.testing.assert_close(ql(x), F.linear(x, ql.dequantized_weight(), linear.bias), rtol=0, atol=0)
+    monkeypatch.undo()
+    monkeypatch.setattr(quantize, "cpu_kernels_fast", lambda: False)            # a CPU without AVX2/AVX-512/NEON
+    assert "vectorized" in lab.quantize_linear(linear, "int4", 32).fallback_reason
+    assert "vectorized" in lab.quantize_linear(linear, "int8").fallback_reason
+
+
+@needs_int4_kernel
+def test_int4_layers_the_kernel_cannot_take_fall_back_by_name():
+    odd_rows = lab.quantize_linear(nn.Linear(128, 40), "int4", 32)              # N not a multiple of 16
+    assert odd_rows.path == DEQUANT_MATMUL and "multiple of 16" in odd_rows.fallback_reason
+    small_groups = lab.quantize_linear(nn.Linear(128, 32), "int4", 16)          # groups finer than 32
+    assert small_groups.path == DEQUANT_MATMUL and "group size 16" in small_groups.fallback_reason
+    assert [quantize.int4_kernel_group(g) for g in (16, 32, 64, 96, 192, 576, 1024)] == [None, 32, 64, 32, 64, 64, 256]
+
+
+def test_quantize_model_quantizes_the_tied_head_and_keeps_the_embedding(tiny):
+    model, tok = tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert model.lm_head.weight is model.embed_tokens.weight and model.config.tie_embeddings
+    ids = torch.tensor([tok.encode("def fib(n):\n    return n")])
+    ref = model(ids)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}    # the head included
+    for scheme, g, tol in [("int8", None, 0.02), ("int4", 32, 0.2)]:
+        q = lab.quantize_model(model, scheme, group_size=g)
+        assert isinstance(q.lm_head, lab.QuantLinear) and sum(quant_paths(q).values()) == len(linears)
+        assert type(q.embed_tokens) is nn.Embedding and q.embed_tokens.weight.dtype == torch.float32
+        assert torch.equal(q.embed_tokens.weight, model.embed_tokens.weight)             # the float table, as is
+        assert q.embed_tokens.weight.data_ptr() != model.embed_tokens.weight.data_ptr()  # a copy: no sharing
+        assert not q.config.tie_embeddings and model.config.tie_embeddings               # untied in the copy only
+        alone = lab.quantize_linear(model.lm_head, scheme, g).state_dict()
+        assert all(torch.equal(alone[k], q.lm_head.state_dict()[k]) for k in alone)
+        # the head's integers come on top of the float table they used to share: bytes count each tensor once
+        head_bytes = sum(t.numel() * t.element_size() for t in alone.values())
+        rest = lab.quantize_model(model, scheme, group_size=g, quantize_tied_head=False)
+        assert lab.state_dict_bytes(q) == lab.state_dict_bytes(rest) + head_bytes
+        expected = sum(t.numel() * t.element_size() for t in q.state_dict().values())   # nothing shared now
+        assert lab.state_dict_bytes(q) == expected
+        rel = ((q(ids) - ref).norm() / ref.norm()).item()
+        assert rel < tol, (scheme, rel)
+    kept = lab.quantize_model(model, "int8", quantize_tied_head=False)
+    assert kept.lm_head.weight is kept.embed_tokens.weight and kept.config.tie_embeddings
+    assert lab.quantize_model(model, "int8", skip=("lm_head",)).lm_head.weight.dtype == torch.float32
+    with pytest.raises(TypeError, match="quantize_tied_head"):
+        lab.quantize_model(model, "int8", quantize_tied_head="yes")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())         # the original: untouched
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert not any(isinstance(m, lab.QuantLinear) for m in model.modules())
 
 
 # -- models -----------------------------------------------------------------------------------------
@@ -152,7 +300,7 @@ def test_quantize_model_copies_and_stays_close(tiny):
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
     assert model.lm_head.weight is model.embed_tokens.weight          # tied: the head stays in float
     for scheme, g, tol in [("int8", None, 0.02), ("int4", 32, 0.2)]:
-        q = lab.quantize_model(model, scheme, group_size=g)
+        q = lab.quantize_model(model, scheme, group_size=g, quantize_tied_head=False)
         assert sum(quant_paths(q).values()) == len(linears)
         saved = 0
         for name, linear in linears.items():                             # each layer: quantize_linear of the original
@@ -263,7 +411,7 @@ def test_gptq_model_keeps_the_int4_format_and_lowers_every_layers_error(tiny):
     model, tok = tiny
     ids = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
     q = gptq.gptq_quantize_model(model, ids, group_size=32)
-    rtn = lab.quantize_model(model, "int4", group_size=32)
+    rtn = lab.quantize_model(model, "int4", group_size=32, quantize_tied_head=False)   # as GPTQ leaves the head
     assert {k: (v.shape, v.dtype) for k, v in q.state_dict().items()} == \
         {k: (v.shape, v.dtype) for k, v in rtn.state_dict().items()}
     moments = gptq.input_moments(model, ids)                          # H = X^T X / n of each layer's inputs
@@ -332,7 +480,9 @@ from infopt_lab.quantize import QuantLinear, dequantize, pack_int4, quantize_mod
 import infopt_lab as lab
 layer = lab.quantize_linear(torch.nn.Linear(64, 16), "int4", group_size=32)
 x = torch.randn(3, 64)
-torch.testing.assert_close(layer(x), int4_matmul_reference(x, layer.weight_q, layer.scales, layer.zeros) + layer.bias)
+tol = 2e-2 if layer.path == "aten._weight_int4pack_mm_for_cpu" else None   # that kernel computes in bf16
+torch.testing.assert_close(layer(x), int4_matmul_reference(x, layer.weight_q, layer.scales, layer.zeros) + layer.bias,
+                           rtol=tol, atol=tol)
 print("ok")
 """
 
@@ -349,3 +499,12 @@ def test_public_int4_names_are_the_format_modules():
     from infopt_lab import quant_format, quantize
     for name in ("pack_int4", "unpack_int4", "dequantize"):
         assert getattr(lab, name) is getattr(quantize, name) is getattr(quant_format, name)
+
+
+def test_head_scheme_gives_the_output_head_its_own_precision(tiny):
+    model, _ = tiny
+    q = lab.quantize_model(model, "int4", group_size=32, head_scheme="int8")
+    assert q.lm_head.scheme == "int8" and q.layers[0].mlp.up_proj.scheme == "int4"
+    assert isinstance(q.embed_tokens, torch.nn.Embedding) and not isinstance(model.lm_head, lab.QuantLinear)
+    with pytest.raises(ValueError, match="head_scheme must be one of"):
+        lab.quantize_model(model, "int4", group_size=32, head_scheme="fp8")

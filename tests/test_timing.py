@@ -160,3 +160,23 @@ def test_time_decode_step_is_a_run_of_steps_divided_by_their_number(tiny_model):
 def test_timed_passes_reject_bad_input(tiny_model, call, message):
     with pytest.raises(ValueError, match=message):
         call(tiny_model)
+
+
+def test_time_cached_passes_times_each_size_on_the_cache_it_built(tiny):
+    model, _ = tiny
+    calls = []
+    original = model.forward
+
+    def spy(ids, input_pos=None, cache=None):
+        calls.append((ids.shape[1], int(input_pos[0]) if input_pos is not None else 0))
+        return original(ids, input_pos, cache)
+
+    model.forward = spy
+    try:
+        costs = timing.time_cached_passes(model, sizes=(1, 3), context_len=8, repeats=2)
+    finally:
+        del model.forward
+    assert set(costs) == {1, 3} and all(t > 0 for t in costs.values())
+    assert {c for c in calls if c[0] in (1, 3)} == {(1, 8), (3, 8)}        # after the 8 cached positions
+    with pytest.raises(ValueError):
+        timing.time_cached_passes(model, sizes=(0,))
