@@ -495,9 +495,18 @@ LADDER: dict[str, Callable[..., Result]] = {
 }
 
 
+# the rungs `infopt-lab bench --model smollm2-135m` runs by default: the real model's speed lessons
+REAL_MODEL_RUNGS = ("decode", "precision", "batch_size")
+
+
 def run(only: list[str] | None = None, **kwargs) -> list[Result]:
-    """Run the named rungs (all by default) and print each as it finishes."""
-    names = only or list(LADDER)
+    """Run the named rungs (by default all of them, or REAL_MODEL_RUNGS on the real model) and print each."""
+    from .hub import REMOTE
+    real = kwargs.get("model_name") in REMOTE
+    names = only or (list(REAL_MODEL_RUNGS) if real else list(LADDER))
+    if real and "speculative" in names:
+        raise ValueError("the speculative rung needs a draft that shares the model's tokenizer; the bundled draft "
+                         "shares the bundled target's, so run it without --model")
     unknown = [n for n in names if n not in LADDER]
     if unknown:
         raise ValueError(f"unknown benchmark {unknown}; choose from {list(LADDER)}")

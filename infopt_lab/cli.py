@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure the optimization ladder, side by side in one run")
     p.add_argument("--only", nargs="+", choices=list(LADDER), default=None,
                    help="run only these rungs")
-    p.add_argument("--model", default="target", help="bundled name or model directory")
+    p.add_argument("--model", default="target",
+                   help="'target' (default), 'smollm2-135m' (the real model: decode, precision and batch_size "
+                        "by default) or a model directory")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("train", help="train a bundled model with the course's recipe (resumable)")

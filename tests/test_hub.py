@@ -185,3 +185,15 @@ def test_real_model_chat_template_and_end_of_turn_stop_generation(real):
     out = lab.generate(model, tok, prompt, max_new_tokens=48)
     assert 0 < len(out.token_ids) < 48 and out.token_ids[-1] == tok.eos_token_id   # stopped at <|im_end|>
     assert out.text.strip()
+
+
+def test_real_model_serves_chat_requests_on_the_engine(real):
+    model, tok = real
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in ("Say hello.", "Name a colour.")]
+    engine = lab.Engine(model, tok, max_batch_size=2)
+    assert engine.blocks.capacity * engine.blocks.block_size <= 2 * 2048 + 16     # not 2 x 8,192 positions
+    outs = engine.generate(prompts, max_new_tokens=40)
+    for out, prompt in zip(outs, prompts):
+        alone = lab.generate(model, tok, prompt, max_new_tokens=40)
+        assert out.token_ids == alone.token_ids and out.token_ids[-1] == tok.eos_token_id
