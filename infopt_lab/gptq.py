@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .quant_format import pack_int4
-from .quantize import QuantLinear, quantize_asymmetric, quantize_model
+from .quantize import QuantLinear, fuse_quantized, quantize_asymmetric, quantize_model
 
 
 def calibration_ids(tok, n_sequences: int = 16, seq_len: int = 512, seed: int = 0) -> Tensor:
@@ -84,4 +84,4 @@ def gptq_quantize_model(model: nn.Module, calib_ids: Tensor, group_size: int | N
         q, scale, zero = gptq_int4(w, moments[name].to(w.device), group_size)
         layer.weight_q, layer.scales, layer.zeros = pack_int4(q), scale, zero
         layer.calibration = "gptq"
-    return new
+    return fuse_quantized(new)                 # the new buffers replaced the fused views: stack them again

@@ -93,6 +93,11 @@ class Fusion:
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
+    def __deepcopy__(self, memo) -> None:
+        # a deep copy clones each parameter on its own, so the copy's slices would view nothing:
+        # the copy runs unfused (quantize_model fuses its own layers again) instead of holding a second weight
+        return None
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
@@ -106,10 +111,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_heads * D, C, bias=False)
         self.fused: Fusion | None = None            # q, k, v as one product (fuse_projections)
 
+    def projections(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        """The projections that read the same input, in the fused weight's order."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache) -> Tensor:
         # cache: anything with `attend(layer, q, k, v, input_pos)` (attention.py's contract)
         B, T, C = x.shape
-        projections = (self.q_proj, self.k_proj, self.v_proj)
+        projections = self.projections()
         if self.fused is not None and self.fused.holds(projections):
             q, k, v = self.fused(x)
         else:
@@ -130,8 +139,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=False)
         self.fused: Fusion | None = None            # gate and up as one product (fuse_projections)
 
+    def projections(self) -> tuple[nn.Module, nn.Module]:
+        """The projections that read the same input, in the fused weight's order."""
+        return self.gate_proj, self.up_proj
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused is not None and self.fused.holds((self.gate_proj, self.up_proj)):
+        if self.fused is not None and self.fused.holds(self.projections()):
             gate, up = self.fused(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -291,8 +304,6 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     `set_weight_layout`, whose new tensors would undo it. Returns the model.
     """
     for module in model.modules():
-        if isinstance(module, Attention):
-            module.fused = Fusion((module.q_proj, module.k_proj, module.v_proj))
-        elif isinstance(module, MLP):
-            module.fused = Fusion((module.gate_proj, module.up_proj))
+        if isinstance(module, (Attention, MLP)):
+            module.fused = Fusion(module.projections())
     return model

@@ -332,6 +332,63 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {self.scheme}{g}, path={self.path!r}{how}{why}"
 
 
+class QuantFusion:
+    """QuantLinears that read the same input, run as one kernel call over buffers they all view into.
+
+    The quantized twin of model.Fusion: scales are per output row (int8) or per row and group
+    (int4), so stacking the layers' rows quantizes nothing differently; each layer keeps its own
+    buffers, now slices of the stacked ones, and its state_dict entries.
+    """
+
+    BUFFERS = ("weight_q", "scales", "zeros", "bias")
+
+    def __init__(self, layers: tuple[QuantLinear, ...]):
+        first = layers[0]
+        present = [name for name in self.BUFFERS if first._buffers.get(name) is not None]
+        stacked = {name: torch.cat([layer._buffers[name] for layer in layers]) for name in present}
+        self.sizes = [layer.out_features for layer in layers]
+        self.layer = QuantLinear(first.in_features, sum(self.sizes), first.scheme, first.group_size,
+                                 stacked.pop("bias", None), first.dtype)
+        for name, tensor in stacked.items():
+            self.layer.register_buffer(name, tensor)
+        self.layer.choose_path(first.weight_q.device, first.dtype)
+        start = 0
+        for layer, n in zip(layers, self.sizes):
+            for name in present:
+                layer._buffers[name] = self.layer._buffers[name][start:start + n]
+            layer._kernel_cache = None                    # the fused layer's operands serve them all
+            start += n
+
+    def holds(self, layers: tuple[nn.Module, ...]) -> bool:
+        """Whether these are still unhooked QuantLinears on the fused path whose weights are its slices."""
+        start, step = 0, self.layer.weight_q.stride(0) * self.layer.weight_q.element_size()
+        base = self.layer.weight_q.data_ptr()
+        for layer, n in zip(layers, self.sizes):
+            if type(layer) is not QuantLinear or layer.weight_q.data_ptr() != base + start * step \
+                    or layer.path != self.layer.path or layer._forward_hooks or layer._forward_pre_hooks:
+                return False
+            start += n
+        return True
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        return self.layer(x).split(self.sizes, dim=-1)
+
+    def __deepcopy__(self, memo) -> None:
+        return None                                       # see model.Fusion.__deepcopy__
+
+
+def fuse_quantized(model: nn.Module) -> nn.Module:
+    """Give every attention and MLP whose projections are alike QuantLinears a QuantFusion, in place."""
+    for module in model.modules():
+        if not hasattr(module, "projections"):
+            continue
+        layers = module.projections()
+        alike = all(type(l) is QuantLinear for l in layers) and \
+            len({(l.scheme, l.group_size, l.in_features, l.dtype, l.bias is None) for l in layers}) == 1
+        module.fused = QuantFusion(layers) if alike else None
+    return model
+
+
 def quantize_linear(linear: nn.Linear, scheme: str, group_size: int | None = None) -> QuantLinear:
     """A QuantLinear from an nn.Linear: "int8" (per-channel) or "int4" (group-wise, group_size | in_features)."""
     if not isinstance(linear, nn.Linear):
@@ -382,6 +439,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
         parent_name, _, child = name.rpartition(".")
         parent = new.get_submodule(parent_name) if parent_name else new
         setattr(parent, child, quantize_linear(module, this, group))
+    fuse_quantized(new)                                           # q, k, v and gate, up: one kernel call each
     config = getattr(new, "config", None)
     if untied and getattr(config, "tie_embeddings", False):
         config.tie_embeddings = False                             # the copy's own config: the head is its own now

@@ -508,3 +508,27 @@ def test_head_scheme_gives_the_output_head_its_own_precision(tiny):
     assert isinstance(q.embed_tokens, torch.nn.Embedding) and not isinstance(model.lm_head, lab.QuantLinear)
     with pytest.raises(ValueError, match="head_scheme must be one of"):
         lab.quantize_model(model, "int4", group_size=32, head_scheme="fp8")
+
+
+@pytest.mark.parametrize("scheme, group", [("int8", None), ("int4", 32)])
+def test_quantized_projections_run_fused_with_the_same_outputs_and_bytes(tiny, scheme, group):
+    import copy
+    model, _ = tiny
+    q = lab.quantize_model(model, scheme, group_size=group)
+    attn = q.layers[0].self_attn
+    assert attn.fused is not None and attn.fused.holds(attn.projections())
+    unfused = copy.deepcopy(q)                                  # a deep copy runs its projections one by one
+    assert all(m.fused is None for m in unfused.modules() if hasattr(m, "projections"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(q(ids), unfused(ids), rtol=0, atol=0)
+    assert sorted(q.state_dict()) == sorted(unfused.state_dict())
+    assert lab.state_dict_bytes(q) == lab.state_dict_bytes(unfused)   # the slices are counted once
+
+
+def test_gptq_layers_are_fused_again_after_calibration(tiny):
+    model, _ = tiny
+    ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
+    q = gptq.gptq_quantize_model(model, ids, group_size=32)
+    mlp = q.layers[0].mlp
+    assert mlp.fused is not None and mlp.fused.holds(mlp.projections())
