@@ -510,6 +510,8 @@ def run(only: list[str] | None = None, **kwargs) -> list[Result]:
     unknown = [n for n in names if n not in LADDER]
     if unknown:
         raise ValueError(f"unknown benchmark {unknown}; choose from {list(LADDER)}")
+    from .device import describe
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in describe().items()), flush=True)
     results = []
     for name in names:
         result = LADDER[name](**kwargs)
