@@ -65,7 +65,7 @@ FIGURES: dict[str, Source] = {
     "mm_shape": Source("02", "quant_eval.matmul_speedup(", r"(\d+x\d+) at batch"),
     "mm_batch": Source("02", "quant_eval.matmul_speedup(", r"at batch (\d+):"),
     "mm_int8_speedup": Source("02", "quant_eval.matmul_speedup(", r"-> ([\d.]+x) faster"),
-    "static_util": Source("03", "lab.static_batch_utilization(", r"STATIC batching GPU utilization: ([\d.]+%)"),
+    "static_util": Source("03", "lab.static_batch_utilization(", r"STATIC batching, batch-slot utilization: ([\d.]+%)"),
     "skew_requests": Source("03", "same_hf = ", r"= transformers for \d+/(\d+) requests"),
     "skew_new_tokens": Source("03", "batching.skewed_lengths(N_REQ", r"output tokens: .*, total (\d+)"),
     "cont_vs_static": Source("03", "same_hf = ", r"continuous / static +: ([\d.]+x) throughput"),
