@@ -61,6 +61,7 @@ FIGURES: dict[str, Source] = {
     "kv7b_gqa_gib": Source("01", "weights_7b = ", r"GQA, +\d+ KV heads: ([\d.]+ GiB)"),
     "ppl_int8": Source("02", "quant_eval.scheme_table(", r"int8: perplexity ([+-][\d.]+%) vs fp32"),
     "ppl_int4_g64": Source("02", "quant_eval.scheme_table(", r"int4 g64: ([+-][\d.]+%)"),
+    "ppl_int4_g64_float_head": Source("02", "quant_eval.scheme_table(", r"int4 g64, float head: ([+-][\d.]+%)"),
     "ppl_gptq": Source("02", "quant_eval.scheme_table(", r"int4 g64 \+ GPTQ: ([+-][\d.]+%)"),
     "mm_shape": Source("02", "quant_eval.matmul_speedup(", r"(\d+x\d+) at batch"),
     "mm_batch": Source("02", "quant_eval.matmul_speedup(", r"at batch (\d+):"),
