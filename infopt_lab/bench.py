@@ -345,7 +345,9 @@ def bench_precision(model_name: str = "target", context_len: int = 64, steps: in
                     f"({base / step_s[name]:.2f}x fp32), perplexity {ev.perplexity:.3f} "
                     f"({ev.perplexity / ppl0 - 1:+.2%}), greedy exact-match {exact_match(reference, ids, new_tokens):.0%} "
                     f"(matched prefix {matched_prefix(reference, ids):.1f}/{new_tokens})")
-        r.add(f"  {name} path", ", ".join(f"{k} x{v}" for k, v in paths.items()) or "float matmuls")
+        reasons = sorted({layer.fallback_reason for layer in m.modules() if getattr(layer, "fallback_reason", None)})
+        r.add(f"  {name} path", (", ".join(f"{k} x{v}" for k, v in paths.items()) or "float matmuls")
+              + "".join(f"; fallback: {why}" for why in reasons))
         r.add(f"  {name} pass over n tokens", ", ".join(f"n={n}: {cost[n] / cost[1]:.2f}x" for n in PASS_SIZES))
         values[name] = {"tokens_per_s": 1 / step_s[name], "speedup": base / step_s[name],
                         "perplexity": ev.perplexity, "exact_match": exact_match(reference, ids, new_tokens),
