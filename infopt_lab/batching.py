@@ -215,3 +215,24 @@ def compare_policies(model, tok, prompts: Sequence[str], lengths: Sequence[int],
         token_ids, wall = transformers_batched_generate(hf_model, ids, lengths, max_batch_size, pad_id=0)
         runs["transformers"] = PolicyRun("transformers", sum(lengths) / wall, wall, token_ids)
     return runs
+
+
+DEFAULT_PROMPT = "import os\n\n\ndef walk_files(root):\n    "   # the benchmarks' one prompt
+
+
+def decode_throughput(model, tok, batch_size: int, new_tokens: int = 32, prompt: str = DEFAULT_PROMPT,
+                      repeats: int = 1) -> float:
+    """Decode tokens/s of the engine serving `batch_size` copies of a prompt at once (prefill excluded).
+
+    Only steps in which every row decodes count: the rate at which a full batch makes tokens.
+    """
+    from .engine import Engine
+    best = 0.0
+    for _ in range(repeats):
+        engine = Engine(model, tok, max_batch_size=batch_size, max_model_len=len(tok.encode(prompt)) + new_tokens)
+        outs = engine.generate([prompt] * batch_size, max_new_tokens=new_tokens, stop_at_eos=False)
+        steps = [r for r in outs.stats.timeline
+                 if len(r.rows) == batch_size and all(kind == "decode" for _, _, kind in r.rows)]
+        seconds = sum(r.end_s - r.start_s for r in steps)
+        best = max(best, batch_size * len(steps) / seconds)
+    return best

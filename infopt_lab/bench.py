@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .batching import DEFAULT_PROMPT, decode_throughput
 from .device import get_device, synchronize
 from .loading import load_model, resolve_model_dir
 from .metrics import model_weight_bytes
-from .timing import measure_bandwidth_gbs, time_interleaved
-
-DEFAULT_PROMPT = "import os\n\n\ndef walk_files(root):\n    "
+from .timing import bf16_supported, matvec_bandwidth_gbs, measure_bandwidth_gbs, time_interleaved
 
 
 @dataclass
@@ -91,25 +90,6 @@ def bench_decode(model_name: str = "target", new_tokens: int = 128, repeats: int
     r.values = {"same_tokens": same, "speedup": t_hf / t_ours, "fraction_of_bound": new_tokens / t_ours / bound,
                 "fraction_of_matvec_bound": new_tokens / t_ours / (gemv * 1e9 / weight_bytes), "bf16_tokens_per_s": bf16}
     return r
-
-
-def matvec_bandwidth_gbs(model, repeats: int = 5) -> float:
-    """GB/s at which one vector times the model's largest weight streams that weight (its layout as loaded)."""
-    from torch import nn
-    from .timing import time_fn
-    w = max((m.weight for m in model.modules() if isinstance(m, nn.Linear)), key=lambda t: t.numel())
-    x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        seconds = time_fn(lambda: torch.nn.functional.linear(x, w), repeats=repeats, warmup=2, device=w.device)
-    return w.numel() * w.element_size() / seconds / 1e9
-
-
-def bf16_supported() -> bool:
-    """Whether this CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 matmuls crawl."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def bf16_decode_tokens_per_s(model_name: str, tok, prompt: str, new_tokens: int) -> float | None:
@@ -356,24 +336,6 @@ def bench_precision(model_name: str = "target", context_len: int = 64, steps: in
                                f"tokens of {len(prompts)} prompts (exact-match against fp32)")
     r.values = values
     return r
-
-
-def decode_throughput(model, tok, batch_size: int, new_tokens: int = 32, prompt: str = DEFAULT_PROMPT,
-                      repeats: int = 1) -> float:
-    """Decode tokens/s of the engine serving `batch_size` copies of a prompt at once (prefill excluded).
-
-    Only steps in which every row decodes count: the rate at which a full batch makes tokens.
-    """
-    from .engine import Engine
-    best = 0.0
-    for _ in range(repeats):
-        engine = Engine(model, tok, max_batch_size=batch_size, max_model_len=len(tok.encode(prompt)) + new_tokens)
-        outs = engine.generate([prompt] * batch_size, max_new_tokens=new_tokens, stop_at_eos=False)
-        steps = [r for r in outs.stats.timeline
-                 if len(r.rows) == batch_size and all(kind == "decode" for _, _, kind in r.rows)]
-        seconds = sum(r.end_s - r.start_s for r in steps)
-        best = max(best, batch_size * len(steps) / seconds)
-    return best
 
 
 def bench_batch_size(model_name: str = "target", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16),

@@ -81,7 +81,7 @@ def offline() -> bool:
 def cache_size_bytes() -> int:
     """Bytes of every file under the cache folder."""
     root = cache_root()
-    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+    return _dir_bytes(root) if root.exists() else 0
 
 
 def _remote(name: str) -> RemoteModel:

@@ -270,9 +270,9 @@ def set_weight_layout(model: nn.Module, layout: str) -> nn.Module:
 
     Column-major keeps W's shape and values (it is the transpose of a contiguous [K, N] array),
     so everything that reads W is unchanged; only the matrix-vector product that decoding runs
-    streams it differently. Measured on a 2-core AMD EPYC (AVX-512), SmolLM2-135M in fp32: a
-    batch-1 decode step took 50 ms column-major against 57 ms row-major (the 49,152 x 576 head
-    alone 5.7 ms against 10 ms); batch 8 and prefill were unchanged. `load_model` uses it on CPUs. A head tied to the embedding keeps sharing its storage. Returns the model.
+    streams it differently: on a CPU, MKL's one-row product reads a column-major weight faster
+    (`timing.matvec_bandwidth_gbs` measures it), so `load_model` uses it there. A head tied to the
+    embedding keeps sharing its storage. Returns the model.
     """
     if layout not in ("row", "column"):
         raise ValueError(f"layout must be 'row' or 'column', got {layout!r}")

@@ -27,19 +27,10 @@ DEQUANT_MATMUL = "dequantize+matmul"                # the fallback: a float copy
 TRITON_INT4 = "triton int4 dequantize-matmul"
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)             # the group sizes aten._weight_int4pack_mm_for_cpu takes
 # Up to how many rows (tokens) a call runs the weight-only kernel; more rows dequantize and run one float matmul.
-# Measured on SmolLM2-135M (fp32 model, 2 cores of an AMD EPYC with AVX-512 bf16, torch 2.14): one cached
-# forward pass of n new tokens after 64 cached ones, whole model on one path, ms, interleaved medians
-# (a shared machine: single figures are noisy, the trends are not):
-#   n                  1     3     5     9    16    32    64   128   256   512  1024
-#   fp32 F.linear     62   112    70    97   105   149   210   340   590  1198  2278
-#   int8 kernel       23    26    32    56    71   113   193   356   702  1547  2974
-#   int8 dequant     185   163   141   260   263   248   285   452   691  1514  2308
-#   int4 kernel       16    21    26    38    48    77   146   269   548  1177  2473
-#   int4 dequant     326   280   241   372   373   334   390   531   803  1485  2460
-# Dequantizing costs a fixed ~120 ms (int8) / ~260 ms (int4) per pass, so the kernels win every decode and
-# verify pass and short prefills. The int8 kernel is even at 256 rows (faster in a second run) and loses from
-# 512; the int4 kernel wins to 512 and is even at 1024. Past that, the dequantize path: as fast, and it
-# computes in the model's own dtype (no bf16 rounding of the activations).
+# Dequantizing pays a fixed cost per call (a float copy of the whole weight), so the kernels win every decode
+# and verify pass and short prefills; for long prefills the float matmul catches up and computes in the model's
+# own dtype (no bf16 rounding of the activations). The limits are where a sweep over rows on a 2-core x86 CPU
+# found the two paths even; `timing.time_cached_passes` times a model's passes on either side of them.
 INT8_KERNEL_MAX_ROWS = 256
 INT4_KERNEL_MAX_ROWS = 512
 
@@ -237,7 +228,7 @@ class QuantLinear(nn.Module):
         device = torch.device(device)
         path, compute, reason = DEQUANT_MATMUL, dtype, None
         if self.scheme == "int8":
-            if device.type == "cpu":                              # fp32 activations: 7.8x slower than F.linear;
+            if device.type == "cpu":                              # fp32 activations: far slower than F.linear;
                 if not int8_kernel_works("cpu", torch.bfloat16):  # bf16: faster than it
                     reason = f"{INT8_KERNEL} does not run correctly with bf16 activations (torch {torch.__version__})"
                 elif not cpu_kernels_fast():

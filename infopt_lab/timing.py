@@ -143,6 +143,24 @@ def measure_roofline(device: torch.device | str | None = None, n: int | None = N
                     bandwidth=measure_bandwidth_gbs(size_mb, device=device, clock=clock) * 1e9)
 
 
+def matvec_bandwidth_gbs(model, repeats: int = 5) -> float:
+    """GB/s at which one vector times the model's largest weight streams that weight (its layout as loaded)."""
+    from torch import nn
+    w = max((m.weight for m in model.modules() if isinstance(m, nn.Linear)), key=lambda t: t.numel())
+    x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        seconds = time_fn(lambda: torch.nn.functional.linear(x, w), repeats=repeats, warmup=2, device=w.device)
+    return w.numel() * w.element_size() / seconds / 1e9
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 matmuls crawl."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 # -- the cost model's passes, timed on a real model ----------------------------------------------
 def _random_ids(model, batch_size: int, length: int, seed: int = 0) -> torch.Tensor:
     """Seeded random token ids [B, T] on the model's device."""
