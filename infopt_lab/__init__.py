@@ -7,6 +7,7 @@ from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, fo
                     kv_cache_bytes, param_count, prefill_cost)
 from .engine import Engine, EngineStats, Outputs, RequestOutput
 from .device import HAS_CUDA, HAS_TRITON, default_dtype, get_device, synchronize
+from .distill import TeacherCache, distill, distillation_loss   # `lab.distill` is the function; the module is infopt_lab.distill
 from .generate import GenerationOutput, decode_one_token, generate, prefill, stream
 from .kernels.attention_ref import attention_reference, attention_tiled
 from .kv_cache import KVCache
@@ -35,8 +36,9 @@ __all__ = [
     "decode_one_token", "GenerationOutput", "KVCache", "QuantizedKVCache",
     # serving
     "Engine", "EngineStats", "Outputs", "RequestOutput", "static_batch_utilization",
-    # speculative decoding
+    # speculative decoding and distillation
     "speculative_generate", "prompt_lookup_generate", "expected_tokens_per_pass",
+    "distill", "distillation_loss", "TeacherCache",
     # costs and measurements
     "ForwardCost", "Roofline", "arithmetic_intensity", "decode_cost", "forward_cost", "generation_cost",
     "kv_cache_bytes", "param_count", "prefill_cost", "model_weight_bytes", "percentiles", "request_metrics",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .batching import DEFAULT_PROMPT, decode_throughput
-from .device import get_device, synchronize
+from .device import default_dtype, get_device, synchronize
 from .loading import load_model, resolve_model_dir
 from .metrics import model_weight_bytes
 from .timing import bf16_supported, matvec_bandwidth_gbs, measure_bandwidth_gbs, time_interleaved
@@ -404,47 +404,79 @@ def bench_attention(model_name: str = "target", lengths: tuple[int, ...] = ATTEN
     return r
 
 
-def bench_speculative(model_name: str = "target", draft_name: str = "draft", new_tokens: int = 128) -> Result:
-    """Target greedy vs speculative (each k) vs prompt lookup vs transformers' assisted generation, one run."""
+def bench_speculative(model_name: str = "target", draft_name: str | None = None, new_tokens: int = 128,
+                      dtypes: tuple[torch.dtype, ...] | None = None, ks: tuple[int, ...] = (1, 2, 3, 4, 6)) -> Result:
+    """Target greedy vs speculative (each k) vs transformers' assisted generation, per precision, one run.
+
+    Each precision pits the pair against the same target alone (fp32 against fp32, bf16 against
+    bf16). The real model's rung measures fp32 and bf16; prompt lookup runs on the first precision.
+    """
+    from .loading import DRAFT_OF
+    from .speculative_bench import SPEC_PROMPTS
+    draft_name = draft_name or DRAFT_OF.get(model_name)
+    if draft_name is None:
+        raise ValueError(f"no bundled draft shares {model_name!r}'s tokenizer; give draft_name (known pairs: {DRAFT_OF})")
+    device = get_device()
+    real = model_name in DRAFT_OF and model_name != "target"
+    dtypes = dtypes or ((torch.float32, torch.bfloat16) if real and device.type == "cpu" else (default_dtype(device),))
+    r = Result("speculative: draft -> verify -> accept, greedy, vs the same target alone and transformers")
+    r.add("workload", f"{len(SPEC_PROMPTS)} code prompts x {new_tokens} new tokens, greedy")
+    values: dict[str, dict] = {}
+    for n, dtype in enumerate(dtypes):
+        values[_dtype_name(dtype)] = _speculative_precision(r, model_name, draft_name, device, dtype, new_tokens, ks,
+                                                            lookup=n == 0)
+    best = max(values, key=lambda d: values[d]["best_over_target"])
+    r.add("best pair / same target alone", f"{values[best]['best_over_target']:.2f}x ({best}, "
+                                           f"{values[best]['best_k']})")
+    r.values = {**values[best], "by_precision": values}
+    return r
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def _speculative_precision(r: Result, model_name: str, draft_name: str, device, dtype, new_tokens: int,
+                           ks: tuple[int, ...], lookup: bool) -> dict:
+    """One precision's rows: target alone, each k, transformers' assisted generation (and prompt lookup)."""
     from transformers import AutoModelForCausalLM
     from .speculative import expected_tokens_per_pass
     from .speculative_bench import SPEC_PROMPTS, prompt_lookup_runs, speculative_runs
-    device = get_device()
-    target, tok = load_model(model_name, device=device)
-    draft, _ = load_model(draft_name, device=device)
-    dtype = next(target.parameters()).dtype
+    name = _dtype_name(dtype)
+    target, tok = load_model(model_name, dtype=dtype, device=device)
+    draft, _ = load_model(draft_name, dtype=dtype, device=device)
     hf_target, hf_draft = (AutoModelForCausalLM.from_pretrained(resolve_model_dir(n), dtype=dtype).to(device).eval()
                            for n in (model_name, draft_name))
-    runs = speculative_runs(target, draft, tok, SPEC_PROMPTS, new_tokens, hf_pair=(hf_target, hf_draft))
+    runs = speculative_runs(target, draft, tok, SPEC_PROMPTS, new_tokens, ks=ks, hf_pair=(hf_target, hf_draft))
     base = runs["target"]
-    r = Result("speculative: draft -> verify -> accept, greedy, vs target alone and transformers")
-    r.add("models", f"{_describe(model_name, target, device)} with draft {_describe(draft_name, draft, device)}")
-    r.add("workload", f"{len(SPEC_PROMPTS)} code prompts x {new_tokens} new tokens, greedy")
-    r.add("target only", f"{base.tokens_per_s:.1f} tok/s")
+    r.add(f"[{name}] models", f"{_describe(model_name, target, device)} with draft {_describe(draft_name, draft, device)}")
+    r.add(f"[{name}] target only", f"{base.tokens_per_s:.1f} tok/s")
     spec = {n: x for n, x in runs.items() if x.alpha is not None}
-    for name, x in spec.items():
-        k = int(name.split("=")[1])
-        r.add(f"speculative {name}", f"{x.tokens_per_s:.1f} tok/s ({x.tokens_per_s / base.tokens_per_s:.2f}x), "
-                                     f"alpha {x.alpha:.3f}, tokens/pass {x.tokens_per_pass:.2f} "
-                                     f"(formula {expected_tokens_per_pass(x.alpha, k):.2f}), "
-                                     f"same tokens: {x.token_ids == base.token_ids}")
-    best = max(spec.values(), key=lambda x: x.tokens_per_s)
-    hf = runs["transformers"]
-    r.add(hf.name, f"{hf.tokens_per_s:.1f} tok/s, same tokens: {hf.token_ids == base.token_ids}")
-    r.add("best speculative / target", f"{best.tokens_per_s / base.tokens_per_s:.2f}x ({best.name})")
-    r.add("best speculative / transformers assisted", f"{best.tokens_per_s / hf.tokens_per_s:.2f}x")
-    look = prompt_lookup_runs(target, tok, new_tokens=new_tokens, hf_target=hf_target)
-    lb, lk, lh = look["target"], look["lookup"], look["transformers"]
-    r.add("prompt lookup (repeating prompt)", f"{lk.tokens_per_s:.1f} vs target {lb.tokens_per_s:.1f} tok/s: "
-                                              f"{lk.tokens_per_s / lb.tokens_per_s:.2f}x, tokens/pass "
-                                              f"{lk.tokens_per_pass:.2f}, same tokens: {lk.token_ids == lb.token_ids}")
-    r.add(lh.name, f"{lh.tokens_per_s:.1f} tok/s")
-    r.values = {"best_over_target": best.tokens_per_s / base.tokens_per_s,
-                "best_over_transformers": best.tokens_per_s / hf.tokens_per_s,
-                "lookup_over_target": lk.tokens_per_s / lb.tokens_per_s,
-                "formula_error": {n: x.tokens_per_pass / expected_tokens_per_pass(x.alpha, int(n.split("=")[1])) - 1
-                                  for n, x in spec.items()}}
-    return r
+    for key, x in spec.items():
+        k = int(key.split("=")[1])
+        r.add(f"[{name}] speculative {key}", f"{x.tokens_per_s:.1f} tok/s ({x.tokens_per_s / base.tokens_per_s:.2f}x), "
+                                            f"alpha {x.alpha:.3f}, tokens/pass {x.tokens_per_pass:.2f} "
+                                            f"(formula {expected_tokens_per_pass(x.alpha, k):.2f}), "
+                                            f"same tokens: {x.token_ids == base.token_ids}")
+    best_key = max(spec, key=lambda n: spec[n].tokens_per_s)
+    best, hf = spec[best_key], runs["transformers"]
+    r.add(f"[{name}] {hf.name}", f"{hf.tokens_per_s:.1f} tok/s, same tokens: {hf.token_ids == base.token_ids}")
+    r.add(f"[{name}] best speculative / target", f"{best.tokens_per_s / base.tokens_per_s:.2f}x ({best.name})")
+    r.add(f"[{name}] best speculative / transformers assisted", f"{best.tokens_per_s / hf.tokens_per_s:.2f}x")
+    values = {"best_over_target": best.tokens_per_s / base.tokens_per_s, "best_k": best_key,
+              "best_over_transformers": best.tokens_per_s / hf.tokens_per_s,
+              "same_tokens": all(x.token_ids == base.token_ids for x in spec.values()),
+              "formula_error": {n: x.tokens_per_pass / expected_tokens_per_pass(x.alpha, int(n.split("=")[1])) - 1
+                                for n, x in spec.items()}}
+    if lookup:
+        look = prompt_lookup_runs(target, tok, new_tokens=new_tokens, hf_target=hf_target)
+        lb, lk, lh = look["target"], look["lookup"], look["transformers"]
+        r.add(f"[{name}] prompt lookup (repeating prompt)",
+              f"{lk.tokens_per_s:.1f} vs target {lb.tokens_per_s:.1f} tok/s: {lk.tokens_per_s / lb.tokens_per_s:.2f}x, "
+              f"tokens/pass {lk.tokens_per_pass:.2f}, same tokens: {lk.token_ids == lb.token_ids}")
+        r.add(f"[{name}] {lh.name}", f"{lh.tokens_per_s:.1f} tok/s")
+        values["lookup_over_target"] = lk.tokens_per_s / lb.tokens_per_s
+    return values
 
 
 LADDER: dict[str, Callable[..., Result]] = {
@@ -468,9 +500,6 @@ def run(only: list[str] | None = None, **kwargs) -> list[Result]:
     from .hub import REMOTE
     real = kwargs.get("model_name") in REMOTE
     names = only or (list(REAL_MODEL_RUNGS) if real else list(LADDER))
-    if real and "speculative" in names:
-        raise ValueError("the speculative rung needs a draft that shares the model's tokenizer; the bundled draft "
-                         "shares the bundled target's, so run it without --model")
     unknown = [n for n in names if n not in LADDER]
     if unknown:
         raise ValueError(f"unknown benchmark {unknown}; choose from {list(LADDER)}")

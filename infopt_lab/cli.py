@@ -13,7 +13,7 @@ def _cmd_train(args) -> int:
         recipe = replace(recipe, steps=args.steps)
     if args.init is not None:
         recipe = replace(recipe, init_from=str(args.init))
-    train(recipe, args.out, tokenizer_dir=args.tokenizer)
+    train(recipe, args.out, tokenizer_dir=args.tokenizer, keep_memory=True)
     print(f"saved {args.preset} model to {args.out}")
     return 0
 

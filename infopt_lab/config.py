@@ -113,6 +113,10 @@ PRESETS: dict[str, ModelConfig] = {
     # the bundled draft: at most one eighth of the target's parameters
     "draft": ModelConfig(dim=96, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
                          max_seq_len=1024),
+    # SmolLM2-135M's draft: its tokenizer, RoPE base and special tokens; at most 1/8 of its parameters
+    "smollm2-draft": ModelConfig(vocab_size=49152, dim=192, n_layers=6, n_heads=3, n_kv_heads=1,
+                                 intermediate_size=768, max_seq_len=2048, rope_theta=100000.0,
+                                 bos_token_id=1, eos_token_id=2),
     # a throwaway size for unit tests
     "tiny": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                         intermediate_size=128, max_seq_len=128),

@@ -22,6 +22,30 @@ def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse instead of returning it to the system; whether it could.
+
+    A training step allocates and frees tensors of hundreds of MB (the logits over a 49,152-token
+    vocabulary). glibc hands each one back to the system and the next step faults every page in
+    again, which on a 2-core CPU cost more time than the arithmetic. This is process-wide and keeps
+    the process's memory at its peak, so only the `infopt-lab train` command asks for it, and only
+    for its training loop: a loop whose steps allocate alike reuses the same memory, while a run of
+    varied large allocations (the teacher's cache, 49,152-wide logits at changing sizes) can grow
+    the heap without bound.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4    # mallopt parameters (malloc.h); values are C ints
+        most = 2**31 - 1
+        return all(libc.mallopt(param, value) for param, value in
+                   ((m_mmap_max, 0), (m_trim_threshold, most), (m_top_pad, most)))
+    except (OSError, AttributeError):                           # not glibc (musl, for one)
+        return False
+
+
 def synchronize(device: torch.device | str | None = None) -> None:
     """Wait for queued GPU work, so a timer measures the work and not its launch."""
     device = torch.device(device) if device is not None else get_device()

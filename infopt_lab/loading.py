@@ -12,8 +12,23 @@ from .device import default_dtype, get_device
 from .model import Transformer, fuse_projections, set_weight_layout
 
 ASSETS = Path(__file__).parent / "assets" / "models"
-BUNDLED = ("target", "draft")
-NAMES = BUNDLED + tuple(hub.REMOTE)          # every name load_model knows without a path
+BUNDLED = ("target", "draft", "smollm2-135m-draft")
+NAMES = BUNDLED[:2] + tuple(hub.REMOTE) + BUNDLED[2:]    # every name load_model knows without a path
+DRAFT_OF = {"target": "draft", "smollm2-135m": "smollm2-135m-draft"}   # each model's bundled speculative draft
+# how each bundled model is remade (model_card.py writes the same commands into its card)
+RECIPE_OF = {"target": ("target",), "draft": ("draft", "draft-distill"),
+             "smollm2-135m-draft": ("smollm2-draft", "smollm2-draft-distill")}
+
+
+def reproduce_commands(name: str, out: str | Path | None = None) -> list[str]:
+    """The `infopt-lab train` commands that remake a bundled model into `out` (its bundled folder by default)."""
+    out = out or f"infopt_lab/assets/models/{name}"
+    tok = " --tokenizer infopt_lab/assets/models/target" if name == "draft" else ""
+    first, *rest = RECIPE_OF[name]
+    if not rest:
+        return [f"infopt-lab train --preset {first} --out {out}{tok}"]
+    return [f"infopt-lab train --preset {first} --out runs/{name}-pretrain{tok}",
+            f"infopt-lab train --preset {rest[0]} --init runs/{name}-pretrain --out {out}{tok}"]
 
 
 def bundled_model_dir(name: str) -> Path:
@@ -34,8 +49,8 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
     if name in BUNDLED:
         path = bundled_model_dir(name)
         if not (path / "model.safetensors").exists():
-            raise FileNotFoundError(f"the bundled {name!r} model is missing from {path}; "
-                                    f"retrain it with `infopt-lab train --preset {name} --out {path}`")
+            raise FileNotFoundError(f"the bundled {name!r} model is missing from {path}; retrain it with "
+                                    + " && ".join(f"`{c}`" for c in reproduce_commands(name)))
         return path
     if name in hub.REMOTE:
         return hub.ensure(name)
@@ -67,12 +82,19 @@ def load_model(name_or_path: str | Path = "target", dtype: torch.dtype | None = 
     if device.type == "cpu":     # the CPU's matrix-vector product streams column-major weights faster (model.py)
         set_weight_layout(model, "column")
     fuse_projections(model)      # q, k, v and gate, up as one product each: same weights, fewer calls
+    return model, load_tokenizer_dir(path)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def load_tokenizer_dir(path: str | Path):
+    """A model directory's tokenizer: the course's own through `data.load_tokenizer`, any other through AutoTokenizer."""
+    path = Path(path)
     if _course_tokenizer(path):
-        tok = load_tokenizer(path)
-    else:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(path)
-    return model, tok
+        return load_tokenizer(path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _course_tokenizer(path: Path) -> bool:

@@ -122,6 +122,8 @@ class SpeculativeOutput:
     target_forwards: int
     draft_forwards: int
     wall_s: float
+    draft_s: float = 0.0         # time spent proposing (every draft step), prefill excluded
+    verify_s: float = 0.0        # time spent in the target's verification passes and the acceptance rule
 
     @property
     def proposed(self) -> int:
@@ -228,14 +230,18 @@ def speculative_generate(target, draft, input_ids: Tensor, params: SamplingParam
         _feed(drf, prompt[:-1])
     pending = [prompt[-1], out[0]]                    # tokens the draft has not seen yet
     rounds: list[Round] = []
+    draft_s = verify_s = 0.0        # each phase ends by reading token ids on the host, so its time is its own
     while len(out) < params.max_new_tokens and not stops.intersection(out):
+        t0 = time.perf_counter()
         proposed, q = _propose(drf, pending, k, params, generator)
+        t1 = time.perf_counter()
         p_logits = _feed(tgt, [out[-1]] + proposed)   # one target pass: p_0..p_k, [k + 1, V]
         if params.greedy:
             emitted, accepted = verify_greedy(proposed, sample(p_logits, params).tolist())
         else:
             p = logits_to_probs(p_logits, params.temperature, params.top_k, params.top_p)
             emitted, accepted = verify(torch.tensor(proposed), torch.stack(q), p, generator, coins)
+        draft_s, verify_s = draft_s + t1 - t0, verify_s + time.perf_counter() - t1
         tgt.rollback(k - accepted)                    # keep [last, d_1..d_accepted]
         if accepted < k:
             drf.rollback(k - 1 - accepted)            # the draft fed d_1..d_{k-1}; keep d_1..d_accepted
@@ -246,7 +252,7 @@ def speculative_generate(target, draft, input_ids: Tensor, params: SamplingParam
         out += emitted
     synchronize(input_ids.device)
     return SpeculativeOutput(_finish(out, params, stops), k, rounds, tgt.forwards, drf.forwards,
-                             time.perf_counter() - start)
+                             time.perf_counter() - start, draft_s, verify_s)
 
 
 def lookup_draft(context: list[int], k: int = 4, max_ngram: int = 3) -> list[int]:

@@ -28,6 +28,9 @@ class SpecRun:
     token_ids: list[list[int]]
     alpha: float | None = None
     tokens_per_pass: float | None = None
+    rounds: int = 0                    # target verification passes (speculative runs)
+    draft_s: float = 0.0               # of `seconds`: proposing, verifying (speculative_generate's split)
+    verify_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,7 +83,8 @@ def speculative_runs(target, draft, tok, prompts, new_tokens: int = 128, ks=(1, 
         secs, outs = fastest(spec, repeats)
         agg = SpeculativeOutput([], k, [r for o in outs for r in o.rounds], 0, 0, secs)
         runs[f"k={k}"] = SpecRun(f"speculative k={k}", len(prompts) * new_tokens, secs, [o.token_ids for o in outs],
-                                 agg.acceptance_rate, agg.tokens_per_pass)
+                                 agg.acceptance_rate, agg.tokens_per_pass, len(agg.rounds),
+                                 sum(o.draft_s for o in outs), sum(o.verify_s for o in outs))
     if hf_pair is not None:
         hf_target, hf_draft = hf_pair
         best = max((r for r in runs.values() if r.alpha is not None), key=lambda r: r.tokens_per_s)

@@ -247,3 +247,55 @@ def speculative_explorer(target, draft, tok, prompt: str, new_tokens: int = 64, 
     t_slider.observe(redraw, "value")
     redraw()
     return W.VBox([W.HBox([k_slider, t_slider]), out])
+
+
+def distillation_explorer(teacher, student, tok, context: str, temperature: float = 1.0, weight: float = 0.9,
+                          top: int = 10) -> W.VBox:
+    """Temperature and weight -> the teacher's softened distribution after `context`, the student's, and the loss.
+
+    The context's last token is held out as the label (the token the text really continues with);
+    both models see the tokens before it.
+    """
+    import torch
+
+    from .distill import distillation_loss
+    t_slider = W.FloatSlider(value=temperature, min=0.5, max=5.0, step=0.25, description="temperature",
+                             continuous_update=False)
+    w_slider = W.FloatSlider(value=weight, min=0.0, max=1.0, step=0.05, description="weight",
+                             continuous_update=False)
+    out = W.Output()
+    ids = tok.encode(context)
+    x, label = torch.tensor([ids[:-1]]), ids[-1]
+    with torch.inference_mode():
+        t_logits, s_logits = teacher(x)[0, -1].float(), student(x)[0, -1].float()
+
+    def redraw(_=None) -> None:
+        with out:
+            out.clear_output(wait=True)
+            T, w = t_slider.value, w_slider.value
+            p, q = (t_logits / T).softmax(-1), (s_logits / T).softmax(-1)
+            order = torch.topk(p, top).indices
+            y = torch.tensor([label])
+            hard = distillation_loss(s_logits[None], y, t_logits[None], weight=0.0).item()
+            total = distillation_loss(s_logits[None], y, t_logits[None], weight=w, temperature=T).item()
+            soft = (total - (1 - w) * hard) / w if w > 0 else float("nan")
+            print(f"label {tok.decode([label])!r}: hard cross-entropy {hard:.3f} nats; "
+                  f"T²·KL(teacher || student) at T={T:g}: {soft:.3f}; loss = {1 - w:.2f} x {hard:.3f} + "
+                  f"{w:.2f} x {soft:.3f} = {total:.3f}" if w > 0 else
+                  f"label {tok.decode([label])!r}: hard cross-entropy {hard:.3f} nats = the loss (weight 0)")
+            print(f"teacher's probability mass outside its top {top} tokens at T={T:g}: "
+                  f"{1 - p[order].sum().item():.1%}; on the label: {p[label].item():.1%}")
+            fig, ax = plt.subplots(figsize=(9, 3.2))
+            pos = torch.arange(top)
+            ax.bar(pos - 0.2, p[order], 0.4, label=f"teacher, T={T:g}")
+            ax.bar(pos + 0.2, q[order], 0.4, label=f"student, T={T:g}")
+            labels = [repr(tok.decode([int(i)])) + (" ← label" if int(i) == label else "") for i in order]
+            ax.set_xticks(pos, labels, rotation=40, ha="right", family="monospace", fontsize=8)
+            ax.set_ylabel("probability")
+            ax.legend(fontsize=8)
+            plt.show()
+
+    t_slider.observe(redraw, "value")
+    w_slider.observe(redraw, "value")
+    redraw()
+    return W.VBox([W.HBox([t_slider, w_slider]), out])

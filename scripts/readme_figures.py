@@ -87,6 +87,16 @@ FIGURES: dict[str, Source] = {
     "spec_speedup": Source("05", "best_k = max(KS", r"best k = \d+: ([\d.]+x) the target alone"),
     "spec_vs_hf": Source("05", "hf_pair=(hf_target, hf_draft)", r"draft model, k=\d+: .*\(([\d.]+x)\)"),
     "lookup_speedup": Source("05", "lb, lk = look[", r"prompt lookup: \d+ tok/s \(([\d.]+x)\)"),
+    "spec_real_dtype": Source("05", "real_k = max(REAL_KS", r"SmolLM2 alone in (\w+)"),
+    "spec_real_k": Source("05", "real_k = max(REAL_KS", r"real pair, best k = (\d+):"),
+    "spec_real_speedup": Source("05", "real_k = max(REAL_KS", r"real pair, best k = \d+: ([\d.]+x) SmolLM2 alone"),
+    "spec_real_vs_hf": Source("05", "real_k = max(REAL_KS", r"SmolLM2 alone in \w+, ([\d.]+x) transformers"),
+    "kd_bpb": Source("06", "students, logs, train_s = {}", r"(?m)^distilled +([\d.]+)"),
+    "kd_bpb_hard": Source("06", "students, logs, train_s = {}", r"(?m)^hard labels +([\d.]+)"),
+    "kd_alpha": Source("06", "students, logs, train_s = {}", r"(?m)^distilled +[\d.]+ +[\d.]+% +([\d.]+%)"),
+    "kd_alpha_hard": Source("06", "students, logs, train_s = {}", r"(?m)^hard labels +[\d.]+ +[\d.]+% +([\d.]+%)"),
+    "smol_draft_share": Source("06", "card_dir = bundled_model_dir(", r"parameters = ([\d.]+) of SmolLM2"),
+    "smol_draft_alpha": Source("06", "card_dir = bundled_model_dir(", r"k = 4: acceptance ([\d.]+%)"),
 }
 
 

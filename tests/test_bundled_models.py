@@ -42,3 +42,33 @@ def test_model_card_reports_the_measured_figures(figures, name):
     assert f"{figures[name]['params']:,}" in card
     assert re.search(rf"infopt-lab train --preset {name} --out \S+", card)
     assert card.count("```python") == 3
+
+
+def test_smollm2_draft_is_small_and_shares_smollm2s_tokenizer():
+    import json
+    from infopt_lab import hub
+    draft_dir = bundled_model_dir("smollm2-135m-draft")
+    config = json.loads((draft_dir / "config.json").read_text())
+    target = json.loads((hub.model_dir("smollm2-135m") / "config.json").read_text()) if hub.is_cached("smollm2-135m") \
+        else None
+    draft, tok = lab.load_model("smollm2-135m-draft")
+    assert (draft_dir / "model.safetensors").stat().st_size <= 30e6                # bf16, bundled
+    assert draft.num_parameters() <= 134_515_008 / 8                                # SmolLM2-135M's count / 8
+    assert config["vocab_size"] == 49152 and config["eos_token_id"] == 2
+    if target is not None:
+        assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == \
+            (target["vocab_size"], target["bos_token_id"], target["eos_token_id"])
+        assert (draft_dir / "tokenizer.json").read_bytes() == (hub.model_dir("smollm2-135m") / "tokenizer.json").read_bytes()
+    assert tok.encode("def f(x):\n    return x + 12345\n") == \
+        lab.loading.load_tokenizer_dir(draft_dir).encode("def f(x):\n    return x + 12345\n")
+
+
+def test_smollm2_draft_card_reports_the_measured_figures():
+    from infopt_lab.model_card import QUALITY_TOKENS
+    draft, tok = lab.load_model("smollm2-135m-draft")
+    card = (bundled_model_dir("smollm2-135m-draft") / "MODEL_CARD.md").read_text()
+    measured = lab.bits_per_byte(draft, tok, max_tokens=QUALITY_TOKENS["smollm2-135m-draft"])
+    assert float(re.search(r"bits per byte: ([0-9.]+)", card).group(1)) == pytest.approx(measured, abs=0.02)
+    assert f"{draft.num_parameters():,}" in card
+    assert "infopt-lab train --preset smollm2-draft --out" in card
+    assert "infopt-lab train --preset smollm2-draft-distill --init" in card

@@ -32,3 +32,17 @@ def test_bench_precision_and_batch_size_rungs_report_every_variant(tiny_dir):
     assert "int8 path" in r.render()
     b = bench_batch_size(str(tiny_dir), batch_sizes=(1, 2), new_tokens=4)
     assert set(b.values["tokens_per_s"]) == {1, 2} and b.values["scaling"][1] == 1.0
+
+
+def test_bench_speculative_reports_each_precision_against_the_same_target(tiny_dir):
+    import pytest
+    import torch
+    from infopt_lab.bench import bench_speculative
+    r = bench_speculative(str(tiny_dir), draft_name=str(tiny_dir), new_tokens=8, ks=(2,),
+                          dtypes=(torch.float32, torch.bfloat16))
+    assert set(r.values["by_precision"]) == {"fp32", "bf16"}
+    assert all(v["same_tokens"] for v in r.values["by_precision"].values())
+    assert "lookup_over_target" in r.values["by_precision"]["fp32"]          # prompt lookup on the first precision
+    assert any(label.startswith("[bf16] speculative k=2") for label, _ in r.rows)
+    with pytest.raises(ValueError, match="no bundled draft"):
+        bench_speculative(str(tiny_dir))

@@ -78,7 +78,7 @@ def test_empty_prompt_and_non_string_prompt(tiny):
 
 
 def test_unknown_model_name_lists_what_is_allowed():
-    with pytest.raises(ValueError, match="use one of \\['target', 'draft', 'smollm2-135m'\\], a local directory"):
+    with pytest.raises(ValueError, match="use one of \\['target', 'draft', 'smollm2-135m', 'smollm2-135m-draft'\\], a local directory"):
         lab.load_model("targte")
 
 

@@ -116,3 +116,11 @@ def test_bad_input_is_refused(pair, tiny):
         lab.expected_tokens_per_pass(1.5, 4)
     with pytest.raises(ValueError, match="k must be"):
         lab.expected_tokens_per_pass(0.5, 0)
+
+
+def test_a_run_splits_its_time_into_proposing_and_verifying(pair):
+    target, draft, tok = pair
+    x = torch.tensor([tok.encode("def fib(n):")])
+    out = lab.speculative_generate(target, draft, x, max_new_tokens=24, k=3)
+    assert out.draft_s > 0 and out.verify_s > 0
+    assert out.draft_s + out.verify_s < out.wall_s                # the prefill and the bookkeeping are neither
