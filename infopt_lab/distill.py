@@ -48,11 +48,6 @@ def distillation_loss(student_logits: Tensor, targets: Tensor, teacher_logits: T
     return (1 - weight) * hard + weight * temperature ** 2 * kl
 
 
-def top1_agreement(student_logits: Tensor, teacher_logits: Tensor) -> float:
-    """Share of positions where the student's most likely token is the teacher's ([..., V] each)."""
-    return (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean().item()
-
-
 class TeacherCache:
     """A teacher's top-k logits at every position of fixed training windows, computed once.
 
