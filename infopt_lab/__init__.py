@@ -5,7 +5,7 @@ from .batching import static_batch_utilization
 from .config import PRESETS, ModelConfig, get_preset
 from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, forward_cost, generation_cost,
                     kv_cache_bytes, param_count, prefill_cost)
-from .engine import Engine, EngineStats, Outputs, RequestOutput
+from .engine import Engine, EngineStats, Outputs, RequestOutput, agentic_workload, run_sessions
 from .device import HAS_CUDA, HAS_TRITON, default_dtype, get_device, synchronize
 from .distill import TeacherCache, distill, distillation_loss   # `lab.distill` is the function; the module is infopt_lab.distill
 from .generate import GenerationOutput, decode_one_token, generate, prefill, stream
@@ -35,7 +35,8 @@ __all__ = [
     "SamplingParams", "check_request", "logits_to_probs", "sample", "draw", "generate", "stream", "prefill",
     "decode_one_token", "GenerationOutput", "KVCache", "QuantizedKVCache",
     # serving
-    "Engine", "EngineStats", "Outputs", "RequestOutput", "static_batch_utilization",
+    "Engine", "EngineStats", "Outputs", "RequestOutput", "static_batch_utilization", "agentic_workload",
+    "run_sessions",
     # speculative decoding and distillation
     "speculative_generate", "prompt_lookup_generate", "expected_tokens_per_pass",
     "distill", "distillation_loss", "TeacherCache",

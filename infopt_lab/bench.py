@@ -480,6 +480,12 @@ def _speculative_precision(r: Result, model_name: str, draft_name: str, device, 
     return values
 
 
+def bench_engine(**kwargs) -> Result:
+    """Prefix caching and speculative decoding inside the engine (engine_bench.py)."""
+    from .engine_bench import bench_engine as engine_rung
+    return engine_rung(**kwargs)
+
+
 LADDER: dict[str, Callable[..., Result]] = {
     "decode": bench_decode,
     "kv": bench_kv,
@@ -489,6 +495,7 @@ LADDER: dict[str, Callable[..., Result]] = {
     "precision": bench_precision,
     "attention": bench_attention,
     "speculative": bench_speculative,
+    "engine": bench_engine,
 }
 
 

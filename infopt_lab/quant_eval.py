@@ -72,6 +72,9 @@ def cached_perplexity(model, tok, cache_factory=KVCache.for_model, max_tokens: i
     tokens, _ = split_tokens(tok, "val")
     tokens = tokens[:max_tokens + 1] if max_tokens is not None else tokens
     windows = eval_windows(tokens, min(seq_len, model.config.max_seq_len))   # (N, T + 1)
+    if len(windows) == 0:
+        raise ValueError(f"no window of seq_len={seq_len} tokens fits in the {len(tokens)} tokens scored: "
+                         "give max_tokens >= seq_len (or a smaller seq_len)")
     device = next(model.parameters()).device
     nats, n = 0.0, 0
     for w in windows.split(batch_size):

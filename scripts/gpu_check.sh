@@ -13,5 +13,5 @@ PY
 unset TRITON_INTERPRET
 export HF_HUB_OFFLINE=1 MPLBACKEND=Agg
 python -m pytest -q -p no:cacheprovider -n 0 tests/test_kernels.py tests/test_attention.py tests/test_engine.py \
-  tests/test_speculative.py tests/test_generate.py 2>&1 | tee "$out/tests.txt"
-infopt-lab bench --only attention decode batching speculative 2>&1 | tee "$out/bench.txt"
+  tests/test_speculative.py tests/test_generate.py tests/test_prefix_caching.py tests/test_spec_decode.py 2>&1 | tee "$out/tests.txt"
+infopt-lab bench --only attention decode batching speculative engine 2>&1 | tee "$out/bench.txt"

@@ -12,12 +12,15 @@ from torch import Tensor
 from .. import validate
 from ..device import synchronize
 from ..kv_cache import PagedKVCache
+from ..kv_quant import QuantizedPagedKVCache
 from ..metrics import request_metrics
 from ..sampling import SamplingParams, check_request, make_generator, sample, sampling_params
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import POLICIES, Batch
 from .sequence import Sequence, Status
+from .spec_decode import Speculator, check_speculation
+from .stats import EngineStats, StepRecord
 
 
 @dataclass
@@ -50,71 +53,8 @@ class Outputs(list):
         self.stats = stats
 
 
-@dataclass
-class StepRecord:
-    start_s: float
-    end_s: float
-    rows: list[tuple[int, int, str]]    # (slot, request id, "prefill" | "decode" | "padding")
-    kv_tokens: int                      # tokens whose keys and values the pool holds after the step
-    kv_blocks: int                      # blocks in use after the step
-    running: int                        # sequences holding blocks
-
-
-@dataclass
-class EngineStats:
-    """What a run of the engine did: requests, tokens, steps, rows, preemptions, KV blocks, and a timeline."""
-
-    requests: int = 0
-    completed: int = 0
-    failed: int = 0
-    generated_tokens: int = 0
-    wall_s: float = 0.0
-    steps: int = 0
-    sampled_rows: int = 0           # rows that produced a token
-    padding_rows: int = 0           # rows computed for finished members of a static batch
-    preemptions: int = 0
-    recomputed_tokens: int = 0
-    max_batch_size: int = 1
-    block_size: int = 16
-    max_seq_len: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_peak: int = 0
-    timeline: list[StepRecord] = field(default_factory=list, repr=False)
-
-    @property
-    def throughput_tok_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s > 0 else float("nan")
-
-    @property
-    def utilization(self) -> float:
-        """Share of the rows a batch held that produced a token (the seed's useful / total time)."""
-        held = self.sampled_rows + self.padding_rows
-        return self.sampled_rows / held if held else float("nan")
-
-    @property
-    def occupancy(self) -> float:
-        """Mean rows producing a token per step, as a share of max_batch_size."""
-        return self.sampled_rows / (self.steps * self.max_batch_size) if self.steps else float("nan")
-
-    @property
-    def kv_real_share(self) -> float:
-        """Share of allocated paged-KV slots holding a real token, over all steps."""
-        alloc = sum(r.kv_blocks for r in self.timeline) * self.block_size
-        return sum(r.kv_tokens for r in self.timeline) / alloc if alloc else float("nan")
-
-    @property
-    def kv_real_share_contiguous(self) -> float:
-        """The same share had each running sequence preallocated the model's whole context."""
-        alloc = sum(r.running for r in self.timeline) * self.max_seq_len
-        return sum(r.kv_tokens for r in self.timeline) / alloc if alloc else float("nan")
-
-    def summary(self) -> str:
-        return (f"{self.generated_tokens} tokens in {self.wall_s:.2f} s = {self.throughput_tok_s:.1f} tok/s, "
-                f"{self.steps} steps, utilization {self.utilization:.1%}, occupancy {self.occupancy:.1%}, "
-                f"preemptions {self.preemptions}, KV blocks peak {self.kv_blocks_peak}/{self.kv_blocks_total}")
-
-
 DEFAULT_MAX_MODEL_LEN = 2048   # an 8k-context model would reserve 8 x 8,192 positions per layer otherwise
+KV_CACHE_DTYPES = {"auto": PagedKVCache, "int8": QuantizedPagedKVCache}   # "auto": the model's dtype (vLLM's name)
 
 
 class LLMEngine:
@@ -125,11 +65,18 @@ class LLMEngine:
     does all three for a list of prompts. `stats` covers everything since the clock was last reset.
     The KV pool holds `num_blocks` blocks; by default, room for `max_batch_size` requests of
     `max_model_len` tokens each (prompt + new tokens; the model's context, at most 2,048).
+    `enable_prefix_caching=True` keeps the keys and values of every full block of computed tokens,
+    keyed by its prefix, and lets later requests with the same prefix start after it.
+    `draft` (a model sharing the tokenizer, or "ngram" for prompt lookup) with `num_speculative_tokens=k`
+    drafts k tokens for every greedy decoding sequence and verifies them all in one packed target step.
+    `kv_cache_dtype="int8"` stores keys and values as int8 with a scale per token and head (a quarter of
+    fp32's bytes, plus the scales).
     """
 
     def __init__(self, model, tok, scheduler: str = "continuous", max_batch_size: int = 8, block_size: int = 16,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, enable_prefix_caching: bool = False, draft=None,
+                 num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto"):
         validate.model("model", model)
         if scheduler not in POLICIES:
             raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {scheduler!r}")
@@ -145,10 +92,18 @@ class LLMEngine:
         num_blocks = validate.integer("num_blocks", num_blocks, low=2)          # block 0 is reserved
         budget = validate.integer("max_num_batched_tokens", max_num_batched_tokens or max(256, max_batch_size),
                                   low=max_batch_size)
-        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)      # checked against free memory first
-        self.blocks = BlockManager(num_blocks, block_size)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+        pool = KV_CACHE_DTYPES[kv_cache_dtype]
+        self.cache = pool.for_model(model, num_blocks, block_size)             # checked against free memory first
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = POLICIES[scheduler](self.blocks, max_batch_size, budget)
         self.runner = ModelRunner(model, self.cache, self.blocks)
+        k = check_speculation(model, draft, num_speculative_tokens, self.max_model_len)
+        self.speculator = Speculator(self.runner, draft, k, self.blocks, pool) if k else None
+        if self.speculator is not None:
+            self.scheduler.lookahead = self.speculator.lookahead
         self.device = self.runner.device
         self.sequences: dict[int, Sequence] = {}    # every request added since the clock was reset
         self.refused: list[Sequence] = []          # refused since the last step, reported by the next
@@ -193,6 +148,13 @@ class LLMEngine:
         """Whether a request is queued, running, or refused but not yet reported."""
         return self.scheduler.has_work or bool(self.refused)
 
+    def wait_for_arrival(self) -> None:
+        """Nothing can run until the next request arrives: move the clock to it (idle time passes, never slept)."""
+        nxt = self.scheduler.next_arrival()
+        if nxt is None:
+            raise RuntimeError("the scheduler has queued work but can run none of it")
+        self.start -= max(0.0, nxt - self.now())
+
     def why_unservable(self, seq: Sequence) -> str | None:
         """Why a request can never be served (None when it can): the request check, then the KV pool's size."""
         try:
@@ -219,25 +181,37 @@ class LLMEngine:
     def _run(self, batch: Batch) -> list[Sequence]:
         """Run a scheduled batch, sample a token for every chunk that reached its sequence's end; who finished."""
         start, rows = self.now(), self._rows(batch)
-        logits = self.runner.run(batch)                     # (R, V): one row per chunk that samples
-        sampling = [c.seq for c in batch.chunks if c.samples]
-        for chunk in batch.chunks:
-            chunk.seq.num_computed += chunk.num_tokens
-        tokens = self._sample(logits, sampling)
+        if self.speculator is None:
+            logits = self.runner.run(batch)                 # (R, V): one row per chunk that samples
+            sampling = [c.seq for c in batch.chunks if c.samples]
+            for chunk in batch.chunks:
+                chunk.seq.num_computed += chunk.num_tokens
+                chunk.seq.draft_computed = chunk.seq.num_computed
+            new = {seq: [token] for seq, token in zip(sampling, self._sample(logits, sampling))}
+        else:
+            new = self.speculator.run(batch, self._sample)  # kept drafts + the target's token, per sequence
         synchronize(self.device)
         t = self.now()
         finished = []
-        for seq, token in zip(sampling, tokens):
-            seq.output_ids.append(token)
-            seq.token_times_s.append(t)
-            if len(seq.output_ids) >= seq.max_new_tokens or token in seq.stop_ids:
+        for chunk in batch.chunks:
+            seq, done = chunk.seq, False
+            for token in new.get(seq, ()):
+                seq.output_ids.append(token)
+                seq.token_times_s.append(t)
+                done = len(seq.output_ids) >= seq.max_new_tokens or token in seq.stop_ids
+                if done:
+                    break
+            self.blocks.commit(seq.seq_id, seq.all_ids[:min(seq.num_computed, seq.draft_computed)])
+            if done:
                 self.scheduler.retire(seq)
                 finished.append(seq)
+            elif chunk.lookahead:
+                self.blocks.truncate(seq.seq_id, seq.num_computed)         # roll back the rejected drafts
         running = self.scheduler.running
         self.stats.timeline.append(StepRecord(start, t, rows, sum(s.num_computed for s in running),
                                               self.blocks.num_used, len(running)))
         self.stats.steps += 1
-        self.stats.sampled_rows += len(sampling)
+        self.stats.sampled_rows += len(new)
         self.stats.padding_rows += len(batch.padding)
         self.stats.kv_blocks_peak = max(self.stats.kv_blocks_peak, self.blocks.num_used)
         self.stats.preemptions = self.scheduler.preemptions - self.preempted_before
@@ -258,6 +232,12 @@ class LLMEngine:
         self.stats.failed += seq.status is Status.FAILED
         self.stats.generated_tokens += len(seq.output_ids)
         self.stats.recomputed_tokens += seq.recomputed_tokens
+        self.stats.prefix_lookup_tokens += seq.looked_up_tokens
+        self.stats.prefix_hit_tokens += seq.cached_tokens
+        self.stats.draft_tokens += seq.draft_tokens
+        self.stats.accepted_tokens += seq.accepted_tokens
+        self.stats.judged_tokens += seq.judged_tokens
+        self.stats.spec_rounds += seq.spec_rounds
 
     def output(self, seq: Sequence) -> RequestOutput:
         """A request's RequestOutput, its latency figures measured from its arrival."""
@@ -319,7 +299,7 @@ class Engine(LLMEngine):
             if bar is not None:
                 bar.update(len(done))
             if not done and self.scheduler.has_work and not self.scheduler.running:
-                self._wait_for_arrival()
+                self.wait_for_arrival()
         if bar is not None:
             bar.close()
 
@@ -340,12 +320,6 @@ class Engine(LLMEngine):
         extra = [{} if m is None else {"max_new_tokens": m} for m in lengths]
         return [(sampling_params(p, **overrides, **e), a) for p, e, a in zip(params, extra, arrivals)]
 
-    def _wait_for_arrival(self) -> None:
-        """Nothing can run until the next request arrives: move the clock to it (idle time passes, never slept)."""
-        nxt = self.scheduler.next_arrival()
-        if nxt is None:
-            raise RuntimeError("the scheduler has queued work but can run none of it")
-        self.start -= max(0.0, nxt - self.now())
 
 
 def _arrival(value) -> float:

@@ -2,11 +2,13 @@
 
 All tokens of a step, prefill chunks and decode tokens of many sequences, go
 through the linear layers together as one packed sequence [1, N]. Attention is
-the only per-sequence part: decode tokens are attended as one padded batch
-over keys gathered through their block tables; each prefill chunk attends
-causally over its own sequence's cache.
+the only per-sequence part: short pieces (decode tokens, a draft to verify)
+are attended as one padded batch over keys gathered through their block
+tables; each longer prefill chunk attends causally over its own sequence's cache.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +23,34 @@ from .scheduler import Batch
 PAD_SLOT = 0  # block 0, row 0: where padding rows write their throw-away keys and values
 
 
+@dataclass
+class Piece:
+    """A run of one sequence's tokens to feed in a step, from position `start`, and how many last rows give logits."""
+
+    seq_id: int
+    start: int
+    ids: list[int]
+    logits: int = 0          # logits for the last `logits` tokens (1: the next token; all: verifying a draft)
+
+
+SHORT = 16  # pieces up to this long (decode tokens, drafts to verify) are attended as one padded batch
+
+
 class PagedAttention:
     """The attention of one step over the paged cache: the cache the model is handed (attention.py's contract)."""
 
-    def __init__(self, cache: PagedKVCache, slots: Tensor, decode_rows: Tensor | None,
-                 decode_tables: Tensor | None, decode_lens: Tensor | None, decode_mask: Tensor | None,
-                 prefill: list[tuple[int, int, Tensor, Tensor | None]], use_kernel: bool = False):
+    def __init__(self, cache: PagedKVCache, slots: Tensor, short_rows: Tensor | None,
+                 short_tables: Tensor | None, short_lens: Tensor | None, short_mask: Tensor | None,
+                 long: list[tuple[int, int, Tensor, int]], use_kernel: bool = False):
         self.cache = cache
-        self.use_kernel = use_kernel          # decode rows through the Triton paged kernel, not the gather
+        self.use_kernel = use_kernel          # single decode tokens through the Triton paged kernel, not the gather
         self.slots = slots                    # [N] flat cache slot of every token of the step
-        self.decode_rows = decode_rows        # [B_dec] rows of the packed step that are single tokens
-        self.decode_tables = decode_tables    # [B_dec, n_blocks] block tables, padded with block 0
-        self.decode_lens = decode_lens        # [B_dec] cached tokens of each decode row, the new one included
-        self.decode_mask = decode_mask        # [B_dec, 1, 1, S] True where a cached key is real
-        self.prefill = prefill                # (first row, n tokens, block table [1, n_blocks], cached keys S)
+        self.short_rows = short_rows          # [B_s, T_s] rows of the packed step of each short piece (padded
+                                              #   with its last row, which computes the same value again)
+        self.short_tables = short_tables      # [B_s, n_blocks] block tables, padded with block 0
+        self.short_lens = short_lens          # [B_s] cached tokens of each short piece, its new ones included
+        self.short_mask = short_mask          # [B_s, 1, T_s, S] True where a query may see a cached key
+        self.long = long                      # (first row, n tokens, block table [1, n_blocks], cached keys S)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         """Write the step's keys and values to their slots, then attend each sequence over its own cache."""
@@ -42,18 +58,19 @@ class PagedAttention:
         self.cache.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, H_kv, D)
         gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)                                                          # (1, H, N, D)
-        if self.decode_rows is not None and self.use_kernel:
+        if self.short_rows is not None and self.use_kernel and self.short_rows.shape[1] == 1:
             from ..kernels.paged_attention import paged_decode_attention
-            qd = q[0, :, self.decode_rows].transpose(0, 1).contiguous()                    # (B_dec, H, D)
-            y = paged_decode_attention(qd, self.cache.k[layer], self.cache.v[layer], self.decode_tables,
-                                       self.decode_lens)                                   # (B_dec, H, D)
-            out[0, :, self.decode_rows] = y.transpose(0, 1)
-        elif self.decode_rows is not None:
-            kc, vc = self.cache.gather(layer, self.decode_tables)                          # (B_dec, H_kv, S, D)
-            qd = q[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)                    # (B_dec, H, 1, D)
-            y = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=self.decode_mask, enable_gqa=gqa)
-            out[0, :, self.decode_rows] = y[:, :, 0].transpose(0, 1)                       # (H, B_dec, D)
-        for start, n, table, S in self.prefill:
+            rows = self.short_rows[:, 0]
+            qd = q[0, :, rows].transpose(0, 1).contiguous()                                # (B_s, H, D)
+            y = paged_decode_attention(qd, self.cache.k[layer], self.cache.v[layer], self.short_tables,
+                                       self.short_lens)                                    # (B_s, H, D)
+            out[0, :, rows] = y.transpose(0, 1)
+        elif self.short_rows is not None:
+            kc, vc = self.cache.gather(layer, self.short_tables)                           # (B_s, H_kv, S, D)
+            qs = q[0][:, self.short_rows].transpose(0, 1)                                  # (B_s, H, T_s, D)
+            y = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=self.short_mask, enable_gqa=gqa)
+            out[0][:, self.short_rows] = y.transpose(0, 1)                                 # (H, B_s, T_s, D)
+        for start, n, table, S in self.long:
             kc, vc = self.cache.gather(layer, table)                                       # (1, H_kv, S', D)
             out[:, :, start:start + n] = attend(q[:, :, start:start + n], kc[:, :, :S], vc[:, :, :S])  # (1, H, n, D)
         return out
@@ -67,43 +84,58 @@ class ModelRunner:
         if paged_kernel and not HAS_TRITON:
             raise RuntimeError("paged_kernel=True needs Triton, which is not installed here; "
                                "leave paged_kernel=None for the gather path")
-        self.paged_kernel = HAS_TRITON and self.device.type == "cuda" if paged_kernel is None else paged_kernel
+        if paged_kernel and not isinstance(cache, PagedKVCache):
+            raise ValueError("paged_kernel=True reads a float pool; this engine's KV pool is quantized")
+        self.paged_kernel = (HAS_TRITON and self.device.type == "cuda" and isinstance(cache, PagedKVCache)
+                             if paged_kernel is None else paged_kernel)
 
-    @torch.inference_mode()
     def run(self, batch: Batch) -> Tensor:
         """Logits [R, V] for the chunks that sample (those reaching their sequence's last token), in order."""
+        pieces = [Piece(c.seq.seq_id, c.seq.num_computed, c.seq.all_ids[c.seq.num_computed:
+                                                                          c.seq.num_computed + c.num_tokens],
+                        int(c.samples)) for c in batch.chunks]
+        return self.forward(pieces, padding=len(batch.padding))
+
+    @torch.inference_mode()
+    def forward(self, pieces: list[Piece], padding: int = 0) -> Tensor:
+        """Logits [R, V] of every piece's last `logits` tokens, in order, in one packed pass.
+
+        `padding` single-token rows are computed and thrown away (a static batch's finished members).
+        """
         ids, pos, slots, out_rows = [], [], [], []
-        dec_rows, dec_tables, dec_lens, prefill = [], [], [], []
-        for chunk in batch.chunks:
-            seq, n, row = chunk.seq, chunk.num_tokens, len(ids)
-            start = seq.num_computed
-            ids += seq.all_ids[start:start + n]
-            pos += range(start, start + n)
-            slots += [self.blocks.slot(seq.seq_id, p) for p in range(start, start + n)]
-            table = self.blocks.block_table(seq.seq_id)
-            if n == 1:
-                dec_rows.append(row), dec_tables.append(table), dec_lens.append(start + 1)
+        short, long = [], []
+        for p in pieces:
+            n, row = len(p.ids), len(ids)
+            ids += p.ids
+            pos += range(p.start, p.start + n)
+            slots += [self.blocks.slot(p.seq_id, x) for x in range(p.start, p.start + n)]
+            table = self.blocks.block_table(p.seq_id)
+            if n <= SHORT:
+                short.append((row, n, p.start, table))
             else:
-                prefill.append((row, n, self._tensor([table]), start + n))
-            if chunk.samples:
-                out_rows.append(row + n - 1)
-        for _ in batch.padding:                   # finished rows of a static batch: computed, discarded
-            dec_rows.append(len(ids)), dec_tables.append([0]), dec_lens.append(1)
+                long.append((row, n, self._tensor([table]), p.start + n))
+            out_rows += range(row + n - p.logits, row + n)
+        for _ in range(padding):                  # finished rows of a static batch: computed, discarded
+            short.append((len(ids), 1, 0, [0]))
             ids.append(0), pos.append(0), slots.append(PAD_SLOT)
-        ctx = PagedAttention(self.cache, self._tensor(slots), *self._decode_meta(dec_rows, dec_tables, dec_lens),
-                             prefill, use_kernel=self.paged_kernel)
+        ctx = PagedAttention(self.cache, self._tensor(slots), *self._short_meta(short), long,
+                             use_kernel=self.paged_kernel)
         h = self.model.hidden_states(self._tensor([ids]), self._tensor(pos), ctx)         # (1, N, C)
         return self.model.logits(h[0, self._tensor(out_rows)])                             # (R, V)
 
     def _tensor(self, values) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _decode_meta(self, rows: list[int], tables: list[list[int]], lens: list[int]):
-        if not rows:
+    def _short_meta(self, short: list[tuple[int, int, int, list[int]]]):
+        """Rows, padded block tables, lengths and masks of the short pieces (first row, n, start, table)."""
+        if not short:
             return None, None, None, None
-        width = max(len(t) for t in tables)
-        padded = self._tensor([t + [0] * (width - len(t)) for t in tables])                 # (B_dec, n_blocks)
+        T = max(n for _, n, _, _ in short)
+        width = max(len(t) for *_, t in short)
+        rows = self._tensor([[r + min(i, n - 1) for i in range(T)] for r, n, _, _ in short])       # (B_s, T_s)
+        qpos = self._tensor([[s + min(i, n - 1) for i in range(T)] for _, n, s, _ in short])       # (B_s, T_s)
+        tables = self._tensor([t + [0] * (width - len(t)) for *_, t in short])                     # (B_s, n_blocks)
         keys = torch.arange(width * self.blocks.block_size, device=self.device)
-        lens_t = self._tensor(lens)
-        mask = keys[None, :] < lens_t[:, None]                                              # (B_dec, S)
-        return self._tensor(rows), padded, lens_t, mask[:, None, None, :]
+        mask = keys[None, None, :] <= qpos[:, :, None]                                             # (B_s, T_s, S)
+        lens = self._tensor([s + n for _, n, s, _ in short])
+        return rows, tables, lens, mask[:, None]

@@ -5,7 +5,8 @@ chunk while prefilling), then admit waiting ones within a slot limit
 (max_batch_size) and a token budget per step (max_num_batched_tokens); a long
 prompt is prefilled in chunks across steps. When the block pool runs out, the
 newest running sequence is preempted: its blocks are freed and it is queued
-again, to be recomputed later.
+again, to be recomputed later. With prefix caching, a sequence admitted with
+cached blocks starts after them: only the rest of its prompt is computed.
 
 - continuous: admits and retires at every step, so a finished request's slot
   is refilled at once.
@@ -16,6 +17,7 @@ again, to be recomputed later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -25,6 +27,7 @@ from .sequence import Sequence, Status
 class Chunk:
     seq: Sequence
     num_tokens: int          # tokens fed this step: a prefill chunk, or 1 while decoding
+    lookahead: int = 0       # slots reserved after it for draft tokens to verify (speculative decoding)
 
     @property
     def samples(self) -> bool:
@@ -53,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()    # first come, first served
         self.running: list[Sequence] = []          # in admission order: the newest is preempted first
         self.preemptions = 0
+        self.lookahead: Callable[[Sequence], int] = lambda seq: 0   # draft slots a decoding sequence may fill
 
     def add(self, seq: Sequence) -> None:
         """Queue a request behind every queued one that arrives no later (first come, first served)."""
@@ -84,16 +88,22 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if n == 0:
                 break
-            if self._make_room(seq, n, batch):
-                self.blocks.append(seq.seq_id, n)
-                batch.chunks.append(Chunk(seq, n))
-                budget -= n
+            extra = min(self.lookahead(seq), budget - n) if n == seq.num_uncomputed == 1 else 0
+            if self._make_room(seq, n + extra, batch):
+                self.blocks.append(seq.seq_id, n + extra)
+                batch.chunks.append(Chunk(seq, n, extra))
+                budget -= n + extra
         for seq in self._candidates(now):
-            n = min(seq.num_uncomputed, budget)
-            if n == 0 or len(self.running) >= self.max_batch_size or not self.blocks.can_append(seq.seq_id, n):
+            hit = self.blocks.match(seq.all_ids)                 # cached blocks of its prefix (prefix caching)
+            cached = len(hit) * self.blocks.block_size
+            n = min(seq.length - cached, budget)
+            if n == 0 or len(self.running) >= self.max_batch_size or not self.blocks.can_allocate(hit, cached + n):
                 break
             self._admit(seq)
-            self.blocks.allocate(seq.seq_id, n)
+            self.blocks.allocate(seq.seq_id, cached + n, hit)
+            seq.num_computed = seq.draft_computed = cached
+            seq.looked_up_tokens += seq.length if self.blocks.enable_prefix_caching else 0
+            seq.cached_tokens += cached
             batch.chunks.append(Chunk(seq, n))
             budget -= n
         return batch
@@ -128,7 +138,7 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         self.running.remove(seq)
         seq.recomputed_tokens += seq.num_computed
-        seq.num_computed = 0
+        seq.num_computed = seq.draft_computed = 0
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1

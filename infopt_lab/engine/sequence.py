@@ -30,9 +30,16 @@ class Sequence:
     token_times_s: list[float] = field(default_factory=list)            # when each new token was ready
     status: Status = Status.WAITING
     num_computed: int = 0                   # tokens whose keys and values are in the cache
+    draft_computed: int = 0                 # the same in the draft's cache (speculative decoding)
     slot: int | None = None                 # batch row while running (for the Gantt chart)
     preemptions: int = 0
     recomputed_tokens: int = 0              # cache work redone after preemptions
+    looked_up_tokens: int = 0               # tokens it looked up in the prefix cache, over its admissions
+    cached_tokens: int = 0                  # of those, tokens found cached: computed by no step of its own
+    draft_tokens: int = 0                   # tokens drafted for it (speculative decoding)
+    accepted_tokens: int = 0                # of those, kept by the target
+    judged_tokens: int = 0                  # drafts the target judged: the kept ones and each first rejection
+    spec_rounds: int = 0                    # steps in which it speculated
     error: str | None = None
 
     @property
