@@ -39,8 +39,18 @@ def _cmd_fetch(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.ladder:
+        from .ladder import ladder_command
+        if args.only:
+            print("infopt-lab bench: error: --ladder runs its own rungs; drop --only", file=sys.stderr)
+            return 2
+        ladder_command("smollm2-135m" if args.model is None else args.model, args.json, args.price_per_hour)
+        return 0
     from .bench import run
-    run(only=args.only, model_name=args.model)
+    if args.json is not None:
+        print("infopt-lab bench: error: --json writes the ladder's rungs; use it with --ladder", file=sys.stderr)
+        return 2
+    run(only=args.only, model_name="target" if args.model is None else args.model)
     return 0
 
 
@@ -81,9 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure the optimization ladder, side by side in one run")
     p.add_argument("--only", nargs="+", choices=list(LADDER), default=None,
                    help="run only these rungs")
-    p.add_argument("--model", default="target",
-                   help="'target' (default), 'smollm2-135m' (the real model: decode, precision and batch_size "
-                        "by default) or a model directory")
+    p.add_argument("--model", default=None,
+                   help="'target' (default; smollm2-135m for --ladder), 'smollm2-135m' (the real model: decode, "
+                        "precision and batch_size by default) or a model directory")
+    p.add_argument("--ladder", action="store_true",
+                   help="the optimization ladder on the agentic workload: every rung, priced (about 15 minutes "
+                        "on SmolLM2 on a 2-core CPU)")
+    p.add_argument("--json", default=None, help="with --ladder: write the rungs to this JSON file (and a plot beside it)")
+    p.add_argument("--price-per-hour", type=float, default=0.10,
+                   help="with --ladder: what this machine costs per hour, for the cost per million tokens "
+                        "(default 0.10, an example for a 2-vCPU cloud instance)")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("train", help="train a bundled model with the course's recipe (resumable)")

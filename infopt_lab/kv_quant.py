@@ -95,8 +95,8 @@ class QuantizedPagedKVCache:
         B, n = block_tables.shape
         out = []
         for q_pool, s_pool in ((self.k_q, self.k_scale), (self.v_q, self.v_scale)):
-            q = q_pool[layer][block_tables].to(self.dtype)                  # (B, n_blocks, block_size, H_kv, D)
-            x = q * s_pool[layer][block_tables][..., None].to(self.dtype)
+            x = q_pool[layer][block_tables].to(self.dtype)                  # (B, n_blocks, block_size, H_kv, D)
+            x.mul_(s_pool[layer][block_tables].to(self.dtype).unsqueeze(-1))   # in place: one copy, not three
             out.append(x.view(B, n * self.block_size, self.n_kv_heads, self.head_dim).transpose(1, 2))
         return out[0], out[1]                                               # (B, H_kv, S, D) each
 

@@ -299,3 +299,47 @@ def distillation_explorer(teacher, student, tok, context: str, temperature: floa
     w_slider.observe(redraw, "value")
     redraw()
     return W.VBox([W.HBox([t_slider, w_slider]), out])
+
+
+def decision_line(rungs: list[dict], scenario: str, ttft_slo_s: float, price_per_hour: float) -> str:
+    """The decision guide's answer: the cheapest rung meeting the scenario's constraints, with its numbers."""
+    from .ladder import SCENARIOS, recommend
+    limits = {**SCENARIOS[scenario], "ttft_slo_s": ttft_slo_s}
+    try:
+        r, cost = recommend(rungs, price_per_hour, **limits)
+    except ValueError as e:
+        return f"{scenario}: {e}"
+    budget = limits["memory_budget_bytes"]
+    return (f"{scenario} (TTFT p99 <= {ttft_slo_s:g} s, perplexity within +{limits['max_ppl_delta_pct']:g}%"
+            + (f", memory <= {budget / 2 ** 20:.0f} MiB" if budget else "") + f"): **{r['name']}**, "
+            f"{r['tokens_per_s']:.1f} tok/s, TTFT p99 {r['ttft_p99_s']:.2f} s, {r['peak_memory_bytes'] / 2 ** 20:.0f} MiB, "
+            f"perplexity {r['ppl_delta_pct']:+.2f}%, {cost:.2f} per million tokens at {price_per_hour:.2f} per hour")
+
+
+def decision_guide(rungs: list[dict], price_per_hour: float = 0.10) -> W.VBox:
+    """Scenario, TTFT SLO and price -> the cheapest measured rung that meets them (`ladder.recommend`)."""
+    from IPython.display import Markdown, display
+    from .ladder import SCENARIOS
+    scenario = W.Dropdown(options=list(SCENARIOS), description="scenario")
+    slo = W.FloatLogSlider(value=SCENARIOS[scenario.value]["ttft_slo_s"], base=10, min=-2, max=3, step=0.1,
+                           description="TTFT p99 SLO (s)", continuous_update=False, style={"description_width": "initial"})
+    price = W.FloatText(value=price_per_hour, description="price / hour")
+    out = W.Output()
+
+    def redraw(_=None) -> None:
+        with out:
+            out.clear_output(wait=True)
+            if not price.value >= 0:
+                print(f"the price must be a number >= 0, got {price.value}")
+                return
+            display(Markdown(decision_line(rungs, scenario.value, slo.value, price.value)))
+
+    def new_scenario(_=None) -> None:
+        slo.value = SCENARIOS[scenario.value]["ttft_slo_s"]
+        redraw()
+
+    scenario.observe(new_scenario, "value")
+    slo.observe(redraw, "value")
+    price.observe(redraw, "value")
+    redraw()
+    return W.VBox([W.HBox([scenario, slo, price]), out])

@@ -377,3 +377,38 @@ def test_metadata_decides_over_the_file_name_and_the_report_says_so(cli_run):
     report = json.loads((out / "json" / "carol.json").read_text())
     assert report["score"] == report["max_score"]
     assert "its file name says 01_cost_anatomy_kv_cache but its metadata says 00_orientation" in report["output"]
+
+
+# Exercise 07 handed in with one common slip each: (the code cell it is in, by its first words; the text;
+# its replacement; the checks that must fail, by name prefix). Every other check must pass.
+SLIPS_07 = {
+    "strict_slo": ("def meets", 'rung["ttft_p99_s"] <= ttft_slo_s', 'rung["ttft_p99_s"] < ttft_slo_s',
+                   {"meets counts a rung exactly", "cheapest on hidden", "cheapest: ties"}),
+    "last_of_ties": ("def cheapest", "return min(qualified,", "return min(qualified[::-1],",
+                     {"cheapest on hidden", "cheapest: ties"}),
+    "no_budget": ("def cheapest", 'memory_budget_bytes is None or r["peak_memory_bytes"] <= memory_budget_bytes',
+                  "True", {"cheapest on hidden", "cheapest: ties", "cheapest raises"}),
+    "other_message": ("def cheapest", '"no rung', '"nothing', {"cheapest raises"}),
+    "per_minute": ("def cost_per_million_tokens", "* 3600", "* 60", {"cost_per_million_tokens on hidden"}),
+}
+
+
+def test_exercise_07_full_marks_zero_and_each_slip_loses_its_checks(tmp_path):
+    solution = ROOT / "solutions" / "07_putting_it_together.ipynb"
+    shutil.copyfile(solution, tmp_path / "solution.ipynb")
+    shutil.copyfile(ROOT / "exercises" / solution.name, tmp_path / "exercise.ipynb")
+    for case, (start, old, new, _) in SLIPS_07.items():
+        nb = nbformat.read(solution, as_version=4)
+        cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith(start))
+        assert old in cell.source, case
+        cell.source = cell.source.replace(old, new, 1)
+        nbformat.write(nb, tmp_path / f"{case}.ipynb")
+    reports = {r.id: r for r in grade([tmp_path], LIMITS, progress=False)}
+    assert reports["solution"].score == reports["solution"].max_score == 12
+    assert reports["exercise"].score == 0 and reports["exercise"].max_score == 12
+    assert all(r.reason.startswith("not implemented") for r in reports["exercise"].results)
+    for case, (*_, failing) in SLIPS_07.items():
+        failed = {r.name for r in reports[case].results if not r.passed}
+        assert {p for p in failing if any(n.startswith(p) for n in failed)} == failing, (case, failed)
+        assert all(any(n.startswith(p) for p in failing) for n in failed), (case, failed)
+        assert all("\n" not in r.reason for r in reports[case].results)
