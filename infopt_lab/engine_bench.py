@@ -10,6 +10,7 @@ the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from .device import get_device
 from .loading import load_model
 from .metrics import percentiles
 from .timing import time_interleaved
+
+if TYPE_CHECKING:
+    from .engine.workload import SessionRun
 
 
 @dataclass

@@ -18,16 +18,16 @@ beside them, so the engine's outputs equal its outputs without speculation.
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
 from ..kv_cache import PagedKVCache
 from ..speculative import lookup_draft, verify_greedy
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, Piece
-from .scheduler import Batch, Chunk
+from .scheduler import Batch
 from .sequence import Sequence
 
 NGRAM = "ngram"   # the draft that is not a model: prompt lookup (vLLM's name for it)
@@ -113,7 +113,6 @@ class Speculator:
 
 def check_speculation(target, draft, k, max_model_len: int) -> int:
     """The engine's draft and num_speculative_tokens, checked when it is built; k as an int."""
-    import numbers
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
         raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
     if draft is None:
