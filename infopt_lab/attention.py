@@ -34,6 +34,39 @@ def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _partial(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Softmax attention left unnormalized: (sum of p v, running max m, sum of p), p = exp(q k / sqrt(D) - m)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    return torch.matmul(p, v), m, p.sum(-1, keepdim=True)
+
+
+def shared_prefix_attend(q: Tensor, k_prefix: Tensor, v_prefix: Tensor, k: Tensor, v: Tensor,
+                         allowed: Tensor) -> Tensor:
+    """Attention of B sequences that share a prefix, reading the prefix's keys once (cascade attention).
+
+    q [B, H, T, D] are the new tokens of B sequences; each sees all P keys of one shared prefix
+    (k_prefix, v_prefix [1, H_kv, P, D]) and then its own keys k, v [B, H_kv, S, D] where
+    `allowed` [B, 1, T, S] is True. The two parts are attended apart, every sequence's queries
+    against the prefix in one matmul per KV head, and merged by their softmax maxima and sums:
+    equal to attention over the concatenation, up to float rounding. -> [B, H, T, D]
+    """
+    B, H, T, D = q.shape
+    H_kv = k.shape[1]
+    G = H // H_kv                                                   # query heads per KV head (h = kv * G + g)
+    qg = q.reshape(B, H_kv, G * T, D)                               # rows (g, t) of each KV head
+    o1, m1, l1 = _partial(qg.transpose(0, 1).reshape(H_kv, B * G * T, D), k_prefix[0], v_prefix[0], None)
+    o1, m1, l1 = (x.view(H_kv, B, G * T, -1).transpose(0, 1) for x in (o1, m1, l1))   # (B, H_kv, G*T, .)
+    rows = allowed.unsqueeze(2).expand(B, 1, G, T, allowed.shape[-1]).reshape(B, 1, G * T, -1)
+    o2, m2, l2 = _partial(qg, k, v, rows)                           # (B, H_kv, G*T, .)
+    m = torch.maximum(m1, m2)
+    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    return ((o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)).reshape(B, H, T, D)
+
+
 class NoCache:
     """The cache of a call that keeps nothing: attention over this call's own tokens."""
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .config import ModelConfig
 from . import validate
-from .kv_cache import ContiguousCache, cache_slots, zeros_checked
+from .kv_cache import ContiguousCache, cache_slots, take_blocks, zeros_checked
 
 SCALE_DTYPE = torch.float16   # scales in 16 bits: 2 bytes per head and position
 
@@ -95,8 +95,8 @@ class QuantizedPagedKVCache:
         B, n = block_tables.shape
         out = []
         for q_pool, s_pool in ((self.k_q, self.k_scale), (self.v_q, self.v_scale)):
-            x = q_pool[layer][block_tables].to(self.dtype)                  # (B, n_blocks, block_size, H_kv, D)
-            x.mul_(s_pool[layer][block_tables].to(self.dtype).unsqueeze(-1))   # in place: one copy, not three
+            x = take_blocks(q_pool[layer], block_tables).to(self.dtype)     # (B, n_blocks, block_size, H_kv, D)
+            x.mul_(take_blocks(s_pool[layer], block_tables).to(self.dtype).unsqueeze(-1))   # in place: one copy
             out.append(x.view(B, n * self.block_size, self.n_kv_heads, self.head_dim).transpose(1, 2))
         return out[0], out[1]                                               # (B, H_kv, S, D) each
 

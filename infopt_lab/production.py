@@ -22,6 +22,8 @@ KNOBS = (
      "the draft is a checkpoint path"),
     ('draft="ngram"', 'speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}',
      "prompt lookup"),
+    ("cascade_attention=True", "disable_cascade_attn=False",
+     "vLLM's V1 engine decides step by step whether a shared prefix is worth it; the flag only turns it off"),
     ('kv_cache_dtype="int8"', 'kv_cache_dtype="fp8"', "vLLM's 8-bit KV cache is fp8, not int8"),
     ('quantize_model(model, "int8")', 'quantization="fp8"', "8-bit weights quantized at load time (fp8 on GPUs)"),
     ('quantize_model(model, "int4", group_size=128)', 'quantization="gptq" or "awq"',

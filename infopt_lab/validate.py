@@ -24,6 +24,13 @@ def integer(name: str, value, low: int | None = None, high: int | None = None, a
     return int(value)
 
 
+def boolean(name: str, value) -> bool:
+    """`value` if it is a bool; TypeError otherwise: a 0, 1 or "yes" is not taken for a switch."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def real(name: str, value, low: float | None = None, high: float | None = None, allow_none: bool = False,
          low_open: bool = False) -> float | None:
     """`value` as a finite float within [low, high] ((low, high] with low_open); clear errors otherwise."""

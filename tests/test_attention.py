@@ -144,3 +144,21 @@ def test_flash_attention_rejects_bad_input():
         with pytest.raises(ValueError, match="contiguous"):
             qt = torch.randn(1, 2, 32, 8).transpose(-1, -2)     # head dim not contiguous
             lab.flash_attention(qt, qt, qt)
+
+
+@pytest.mark.parametrize("H, H_kv, T", [(4, 4, 1), (6, 2, 1), (6, 3, 3)])
+def test_shared_prefix_attention_equals_attention_over_the_concatenation(H, H_kv, T):
+    from infopt_lab.attention import shared_prefix_attend
+    B, D, P, S = 4, 16, 12, 9
+    q, k, v = _qkv(B, H, H_kv, T, S, D)
+    _, kp, vp = _qkv(1, H, H_kv, T, P, D, seed=1)
+    g = torch.Generator().manual_seed(2)
+    lens = torch.randint(T, S + 1, (B,), generator=g)                        # each sequence's own keys
+    qpos = lens[:, None] - T + torch.arange(T)[None]                          # (B, T) query positions after the prefix
+    allowed = (torch.arange(S)[None, None, :] <= qpos[:, :, None])[:, None]   # (B, 1, T, S)
+    got = shared_prefix_attend(q, kp, vp, k, v, allowed)
+    keys = torch.cat([kp.expand(B, -1, -1, -1), k], 2)
+    values = torch.cat([vp.expand(B, -1, -1, -1), v], 2)
+    mask = torch.cat([torch.ones(B, 1, T, P, dtype=torch.bool), allowed], -1)
+    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != H_kv)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -57,3 +57,13 @@ def test_an_unknown_kv_cache_dtype_is_refused(target):
     model, tok = target
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         lab.Engine(model, tok, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("shape", [(9, 4, 3, 8), (9, 5, 3, 7)], ids=["even", "odd"])
+def test_blocks_are_copied_whole_and_equal_indexing(dtype, shape):
+    from infopt_lab.kv_cache import take_blocks
+    pool = (torch.randn(*shape) * 50).to(dtype)                       # (N_blocks, block_size, H_kv, D)
+    tables = torch.tensor([[3, 1, 4], [1, 5, 0]])
+    got = take_blocks(pool, tables)
+    assert got.dtype == dtype and torch.equal(got, pool[tables])

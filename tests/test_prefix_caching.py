@@ -101,3 +101,30 @@ def test_without_prefix_caching_nothing_is_looked_up(target, prompts):
     outs = lab.Engine(model, tok, block_size=4).generate(prompts[:3], max_new_tokens=2)
     assert outs.stats.prefix_lookup_tokens == 0 and outs.stats.prefix_hit_tokens == 0
     assert "prefix cache" not in outs.stats.summary()
+
+
+def test_cascade_attention_reads_the_shared_prefix_once_and_keeps_the_tokens(target, prompts, uncached,
+                                                                             monkeypatch):
+    from infopt_lab.engine import model_runner
+    model, tok = target
+    calls = []
+    attend = model_runner.shared_prefix_attend
+
+    def counted(q, k_prefix, *rest):
+        calls.append(k_prefix.shape[2])                      # the shared prefix's keys, read once for the batch
+        return attend(q, k_prefix, *rest)
+    monkeypatch.setattr(model_runner, "shared_prefix_attend", counted)
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_TOKENS", 8)
+    for cascade in (False, True):
+        engine = lab.Engine(model, tok, max_batch_size=4, block_size=4, enable_prefix_caching=True,
+                            cascade_attention=cascade)
+        outs = engine.generate(prompts, max_new_tokens=LENGTHS, stop_at_eos=False)
+        assert [o.token_ids for o in outs] == uncached
+        assert bool(calls) == cascade                        # taken only when asked for
+    assert min(calls) >= 8 and max(calls) <= len(tok.encode(SYSTEM))
+
+
+def test_cascade_attention_is_a_switch(target):
+    model, tok = target
+    with pytest.raises(TypeError, match="cascade_attention must be True or False"):
+        lab.Engine(model, tok, cascade_attention="yes")

@@ -184,6 +184,28 @@ def test_kernel_paths_equal_the_dequantized_reference_up_to_bf16(scheme, group_s
     assert _rel(ql(xt), F.linear(xt, ql.dequantized_weight(), ql.bias)) < 5e-3
 
 
+@pytest.mark.parametrize("out_features", [48, 4096 + 40], ids=["one-tile", "tiled"])
+def test_int8_many_rows_take_tiled_gemms_that_equal_the_kernel_up_to_bf16(out_features, monkeypatch):
+    import infopt_lab.quantize as quantize
+    if not KERNELS_HERE["int8"]:
+        pytest.skip("no working CPU int8 kernel here")
+    g = torch.Generator().manual_seed(out_features)
+    linear = nn.Linear(64, out_features)
+    with torch.no_grad():
+        linear.weight.copy_(0.02 * torch.randn(out_features, 64, generator=g))
+    ql = lab.quantize_linear(linear, "int8")
+    calls, gemm = [], quantize.QuantLinear._int8_gemm
+    monkeypatch.setattr(quantize.QuantLinear, "_int8_gemm", lambda self, x2: calls.append(len(x2)) or gemm(self, x2))
+    x = torch.randn(40, 64, generator=g)                             # a prefill: past both thresholds
+    kernel = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), ql.weight_q, ql.scales.bfloat16()).float() + ql.bias
+    assert _rel(ql(x), kernel) < 5e-3 and calls == [40]
+    few = quantize.INT8_GEMM_MIN_ROWS_TILED if out_features > quantize.INT8_GEMM_TILE else quantize.INT8_GEMM_MIN_ROWS
+    ql(x[:few - 1])                                                  # fewer rows: the kernel
+    assert calls == [40]
+    ql(x[:few])
+    assert calls == [40, few]
+
+
 @needs_int4_kernel
 def test_int4_kernel_packing_round_trips_exactly():
     """The kernel's packed weights hold exactly our integers, and its (scale, offset) pairs our scale and zero."""

@@ -42,7 +42,8 @@ class Speculator:
         self.draft = None
         if draft != NGRAM:
             cache = pool.for_model(draft, blocks.num_blocks, blocks.block_size)   # checked against memory
-            self.draft = ModelRunner(draft, cache, blocks, paged_kernel=target_runner.paged_kernel)
+            self.draft = ModelRunner(draft, cache, blocks, paged_kernel=target_runner.paged_kernel,
+                                     cascade=target_runner.cascade)
 
     def lookahead(self, seq: Sequence) -> int:
         """Draft slots a decoding sequence may fill this step: k, less near its end, 0 if it samples."""
