@@ -34,6 +34,7 @@ class Rung:
     peak_memory_bytes: int          # weights + KV (pool, or the longest request's cache), counted
     ppl_delta_pct: float            # perplexity change of the rung's numerics (0 for rungs that only schedule)
     exact_match: float              # share of turns whose tokens equal rung 0's
+    settings: str = ""              # how the rung serves: batch size, weights, KV, speculation, caching
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     def as_json(self) -> dict:
@@ -133,13 +134,14 @@ def served_by_engine(engine, workload) -> Served:
                   [t.output.tpot_s for t in run.turns if t.output.tpot_s is not None], run.throughput_tok_s())
 
 
-def rung(name: str, served: Served, memory_bytes: int, ppl_delta_pct: float, reference: list[list[int]]) -> Rung:
+def rung(name: str, served: Served, memory_bytes: int, ppl_delta_pct: float, reference: list[list[int]],
+         settings: str = "") -> Rung:
     """A rung's row from how it served the workload."""
     ttft = percentiles(served.ttft_s, (50, 99))
     tpot = [x for x in served.tpot_s if x == x]
     return Rung(name, served.tokens_per_s, ttft["p50"], ttft["p99"],
                 percentiles(tpot, (50,))["p50"] if tpot else float("nan"), memory_bytes, ppl_delta_pct,
-                sum(a == b for a, b in zip(served.outputs, reference)) / len(reference), served.outputs)
+                sum(a == b for a, b in zip(served.outputs, reference)) / len(reference), settings, served.outputs)
 
 
 def cost_per_million_tokens(tokens_per_s: float, price_per_hour: float) -> float:
@@ -167,24 +169,30 @@ def gpu_estimate(params: int, batch_size: int, bandwidth_gbs: float, peak_tflops
 
 
 def run_ladder(model_name: str = "smollm2-135m", sessions: int = 16, turns: int = 3, system_tokens: int = 512,
-               new_tokens: int = 32, max_batch_size: int = 8, k: int = 2, ppl_tokens: int = 4096,
-               progress: Callable[[str], None] | None = print) -> tuple[list[Rung], object]:
-    """Every rung on one agentic workload, rung 0 first and the combined rung last; and the workload."""
+               new_tokens: int = 32, max_batch_size: int = 8, combined_batch_size: int = 16, k: int = 2,
+               ppl_tokens: int = 4096, progress: Callable[[str], None] | None = print) -> tuple[list[Rung], object]:
+    """Every rung on one agentic workload, rung 0 first and the combined rung last; and the workload.
+
+    Rungs 2 to 5 run the engine at `max_batch_size`. Speculation drafts by prompt lookup ("ngram", k tokens):
+    on this workload it is accepted more often than the distilled draft and costs no draft model
+    (notebook 05 measures the draft). The combined rung runs at `combined_batch_size`: its int8 weights and
+    KV fit twice rung 2's sequences in less memory; and it reads the shared system prompt's blocks once per
+    step for the whole batch (cascade attention), which prefix caching makes possible.
+    """
     from transformers import AutoModelForCausalLM
     from .costs import kv_cache_bytes
     from .engine import Engine
     from .engine.workload import agentic_workload
     from .kv_cache import KVCache
     from .kv_quant import QuantizedKVCache
-    from .loading import DRAFT_OF, load_model, resolve_model_dir
+    from .loading import load_model, resolve_model_dir
     from .quant_eval import cached_perplexity
     from .quantize import quantize_model, state_dict_bytes
     say = progress or (lambda _: None)
     model, tok = load_model(model_name, dtype=torch.float32)
-    draft, _ = load_model(DRAFT_OF[model_name], dtype=torch.float32)
     w = agentic_workload(tok, sessions=sessions, turns=turns, system_tokens=system_tokens, new_tokens=new_tokens)
     say(f"workload: {w.describe()}")
-    q_model, q_draft = quantize_model(model, "int8"), quantize_model(draft, "int8")
+    q_model = quantize_model(model, "int8")
     seq_len = min(512, ppl_tokens)
     base_ppl = cached_perplexity(model, tok, KVCache.for_model, ppl_tokens, seq_len)
     int8_delta = 100 * (cached_perplexity(q_model, tok, QuantizedKVCache.for_model, ppl_tokens, seq_len) / base_ppl - 1)
@@ -192,27 +200,43 @@ def run_ladder(model_name: str = "smollm2-135m", sessions: int = 16, turns: int 
     longest_kv = kv_cache_bytes(model.config, w.max_seq_tokens, 1, bytes_per_element=4)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model_name), dtype=torch.float32).eval()
     served = serve_one_at_a_time(transformers_one(hf, tok), w)
-    rungs = [rung(RUNG_NAMES[0], served, state_dict_bytes(model) + longest_kv, 0.0, served.outputs)]
+    rungs = [rung(RUNG_NAMES[0], served, state_dict_bytes(model) + longest_kv, 0.0, served.outputs,
+                  "transformers generate, batch 1, fp32")]
     reference = served.outputs
     say(_line(rungs[-1]))
     served = serve_one_at_a_time(ours_one(model, tok), w)
-    rungs.append(rung(RUNG_NAMES[1], served, state_dict_bytes(model) + longest_kv, 0.0, reference))
+    rungs.append(rung(RUNG_NAMES[1], served, state_dict_bytes(model) + longest_kv, 0.0, reference,
+                      "our cached decoding, batch 1, fp32"))
     say(_line(rungs[-1]))
-    settings = [(RUNG_NAMES[2], model, {}, 0.0),
-                (RUNG_NAMES[3], q_model, dict(kv_cache_dtype="int8"), int8_delta),
-                (RUNG_NAMES[4], model, dict(draft=draft, num_speculative_tokens=k), 0.0),
-                (RUNG_NAMES[5], model, dict(enable_prefix_caching=True), 0.0),
-                (RUNG_NAMES[6], q_model, dict(kv_cache_dtype="int8", enable_prefix_caching=True, draft=q_draft,
-                                              num_speculative_tokens=k), int8_delta)]
-    for name, m, kw, delta in settings:
-        engine = Engine(m, tok, max_batch_size=max_batch_size, max_model_len=w.max_seq_tokens, **kw)
+    spec = dict(draft="ngram", num_speculative_tokens=k)
+    everything = dict(kv_cache_dtype="int8", enable_prefix_caching=True, cascade_attention=True, **spec)
+    settings = [(RUNG_NAMES[2], model, max_batch_size, {}, 0.0),
+                (RUNG_NAMES[3], q_model, max_batch_size, dict(kv_cache_dtype="int8"), int8_delta),
+                (RUNG_NAMES[4], model, max_batch_size, spec, 0.0),
+                (RUNG_NAMES[5], model, max_batch_size, dict(enable_prefix_caching=True), 0.0),
+                (RUNG_NAMES[6], q_model, combined_batch_size, everything, int8_delta)]
+    for name, m, batch, kw, delta in settings:
+        engine = Engine(m, tok, max_batch_size=batch, max_model_len=w.max_seq_tokens, **kw)
         engine.generate(["def f(x):"], max_new_tokens=2)                                  # warm up
         memory = state_dict_bytes(m) + engine.cache.nbytes
-        if engine.speculator is not None:
-            memory += state_dict_bytes(kw["draft"]) + engine.speculator.draft.cache.nbytes
-        rungs.append(rung(name, served_by_engine(engine, w), memory, delta, reference))
+        rungs.append(rung(name, served_by_engine(engine, w), memory, delta, reference, _settings(m, batch, kw)))
         say(_line(rungs[-1]))
     return rungs, w
+
+
+def _settings(model, batch: int, kw: dict) -> str:
+    """An engine rung's configuration in words."""
+    from .quantize import QuantLinear
+    parts = [f"engine, batch {batch}", "int8 weights" if any(isinstance(m, QuantLinear) for m in model.modules())
+             else "fp32 weights", f"{'int8' if kw.get('kv_cache_dtype') == 'int8' else 'fp32'} KV"]
+    if kw.get("draft") is not None:
+        how = "prompt lookup" if kw["draft"] == "ngram" else "a draft model"
+        parts.append(f"speculation by {how}, k = {kw['num_speculative_tokens']}")
+    if kw.get("enable_prefix_caching"):
+        parts.append("prefix caching")
+    if kw.get("cascade_attention"):
+        parts.append("cascade attention")
+    return ", ".join(parts)
 
 
 def _line(r: Rung) -> str:
@@ -267,7 +291,9 @@ def ladder_command(model_name: str, json_path: str | None, price_per_hour: float
     print(f"combined / rung 0: {top.tokens_per_s / rungs[0].tokens_per_s:.1f}x tokens/s, perplexity "
           f"{top.ppl_delta_pct:+.2f}%; $/Mtok at {price_per_hour:.2f} per hour (this machine, measured)")
     params = load_model(model_name)[0].num_parameters()
-    batch = kwargs.get("max_batch_size", 8)
+    for i, r in enumerate(rungs):
+        print(f"  {i}. {r.name}: {r.settings}")
+    batch = kwargs.get("combined_batch_size", 16)
     print(f"GPU estimates for the combined rung's weights (8-bit) at batch {batch}, from datasheet bandwidth and "
           "peak (not measurements; example prices):")
     gpus = {}

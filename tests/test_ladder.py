@@ -5,7 +5,8 @@ import pytest
 
 from infopt_lab.ladder import RUNG_NAMES, cost_per_million_tokens, gpu_estimate, ladder_command
 
-TINY = dict(sessions=2, turns=2, system_tokens=32, new_tokens=4, max_batch_size=2, k=2, ppl_tokens=256)
+TINY = dict(sessions=2, turns=2, system_tokens=32, new_tokens=4, max_batch_size=2, combined_batch_size=2, k=2,
+            ppl_tokens=256)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def test_the_json_has_the_rungs_in_order_and_a_plot_beside_it(ladder):
     data = json.loads(path.read_text())
     assert [r["name"] for r in data["rungs"]] == list(RUNG_NAMES)
     assert set(data["rungs"][0]) == {"name", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_s",
-                                     "peak_memory_bytes", "ppl_delta_pct", "exact_match"}
+                                     "peak_memory_bytes", "ppl_delta_pct", "exact_match", "settings"}
+    assert "cascade attention" in data["rungs"][-1]["settings"] and "prompt lookup" in data["rungs"][4]["settings"]
     assert path.with_suffix(".png").stat().st_size > 0 and data["gpu_estimates"]
 
 
