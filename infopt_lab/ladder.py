@@ -173,11 +173,11 @@ def run_ladder(model_name: str = "smollm2-135m", sessions: int = 16, turns: int 
                ppl_tokens: int = 4096, progress: Callable[[str], None] | None = print) -> tuple[list[Rung], object]:
     """Every rung on one agentic workload, rung 0 first and the combined rung last; and the workload.
 
-    Rungs 2 to 5 run the engine at `max_batch_size`. Speculation drafts by prompt lookup ("ngram", k tokens):
-    on this workload it is accepted more often than the distilled draft and costs no draft model
-    (notebook 05 measures the draft). The combined rung runs at `combined_batch_size`: its int8 weights and
-    KV fit twice rung 2's sequences in less memory; and it reads the shared system prompt's blocks once per
-    step for the whole batch (cascade attention), which prefix caching makes possible.
+    Rungs 2 to 5 run the engine at `max_batch_size`. Speculation drafts by prompt lookup ("ngram", k tokens),
+    which costs no draft model (notebook 05 measures the distilled draft). The combined rung runs at
+    `combined_batch_size`, which its int8 weights and KV make room for (each rung's memory is in its row);
+    and it reads the shared system prompt's blocks once per step for the whole batch (cascade attention),
+    which prefix caching makes possible. Each rung's `settings` says how it served.
     """
     from transformers import AutoModelForCausalLM
     from .costs import kv_cache_bytes
@@ -324,6 +324,20 @@ SCENARIOS = {
 }
 
 
+def misses(rung: dict, ttft_slo_s: float, max_ppl_delta_pct: float, min_exact_match: float = 0.0,
+           memory_budget_bytes: int | None = None) -> list[str]:
+    """The targets a rung (`Rung.as_json()` dict) misses, in words; empty when it meets them all (at a target counts)."""
+    r = rung
+    found = [f"TTFT p99 {r['ttft_p99_s']:.2f} s > {ttft_slo_s:g} s" if r["ttft_p99_s"] > ttft_slo_s else "",
+             f"perplexity {r['ppl_delta_pct']:+.2f}% > {max_ppl_delta_pct:+g}%"
+             if r["ppl_delta_pct"] > max_ppl_delta_pct else "",
+             f"exact match {r['exact_match']:.0%} < {min_exact_match:.0%}" if r["exact_match"] < min_exact_match
+             else "",
+             f"memory {r['peak_memory_bytes'] / 2 ** 20:.0f} MiB > {memory_budget_bytes / 2 ** 20:.0f} MiB"
+             if memory_budget_bytes is not None and r["peak_memory_bytes"] > memory_budget_bytes else ""]
+    return [m for m in found if m]
+
+
 def recommend(rungs: list[dict], price_per_hour: float, ttft_slo_s: float, max_ppl_delta_pct: float,
               min_exact_match: float = 0.0, memory_budget_bytes: int | None = None) -> tuple[dict, float]:
     """The cheapest rung (per million tokens) meeting the TTFT p99 SLO, the quality floor and the memory budget.
@@ -333,16 +347,9 @@ def recommend(rungs: list[dict], price_per_hour: float, ttft_slo_s: float, max_p
     """
     best, why = None, []
     for r in rungs:
-        misses = [f"TTFT p99 {r['ttft_p99_s']:.2f} s > {ttft_slo_s:g} s" if r["ttft_p99_s"] > ttft_slo_s else "",
-                  f"perplexity {r['ppl_delta_pct']:+.2f}% > {max_ppl_delta_pct:+g}%"
-                  if r["ppl_delta_pct"] > max_ppl_delta_pct else "",
-                  f"exact match {r['exact_match']:.0%} < {min_exact_match:.0%}" if r["exact_match"] < min_exact_match
-                  else "",
-                  f"memory {r['peak_memory_bytes'] / 2 ** 20:.0f} MiB > {memory_budget_bytes / 2 ** 20:.0f} MiB"
-                  if memory_budget_bytes is not None and r["peak_memory_bytes"] > memory_budget_bytes else ""]
-        misses = [m for m in misses if m]
-        if misses:
-            why.append(f"{r['name']}: {', '.join(misses)}")
+        missed = misses(r, ttft_slo_s, max_ppl_delta_pct, min_exact_match, memory_budget_bytes)
+        if missed:
+            why.append(f"{r['name']}: {', '.join(missed)}")
             continue
         cost = cost_per_million_tokens(r["tokens_per_s"], price_per_hour)
         if best is None or cost < best[1]:

@@ -34,10 +34,9 @@ INT4_KERNEL_GROUPS = (256, 128, 64, 32)             # the group sizes aten._weig
 INT8_KERNEL_MAX_ROWS = 256
 # The CPU int8 kernel walks the whole weight once per row. From INT8_GEMM_MIN_ROWS rows up, bf16 GEMMs over
 # the integers (exact in bf16), INT8_GEMM_TILE output rows at a time so each tile's bf16 copy stays in cache,
-# with the scales applied to the output, compute the same product faster: on the 2-core CPU that measured
-# it, even at 16 rows, and 2x (SmolLM2's head at 24 rows) to 2.4x (an MLP layer at 128 rows) past that.
-# A layer of more than one tile (a vocabulary head) casts more than the cache holds: there the GEMMs win from
-# 8 rows (SmolLM2's head at 16 rows: 6 ms against the kernel's 12).
+# with the scales applied to the output, compute the same product faster. A layer of more than one tile (a
+# vocabulary head) wins from INT8_GEMM_MIN_ROWS_TILED rows. Both are where a sweep over rows on a 2-core x86
+# CPU found the two paths even, as for the limits above.
 INT8_GEMM_MIN_ROWS = 17
 INT8_GEMM_MIN_ROWS_TILED = 8
 INT8_GEMM_TILE = 4096

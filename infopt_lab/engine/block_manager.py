@@ -19,6 +19,8 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from .. import validate
+
 
 class OutOfBlocks(RuntimeError):
     """The free list cannot cover a request for blocks; nothing was changed."""
@@ -35,8 +37,7 @@ class BlockManager:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        validate.boolean("enable_prefix_caching", enable_prefix_caching)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks: deque[int] = deque(range(1, num_blocks))

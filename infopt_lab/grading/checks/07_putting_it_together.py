@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 
-from ...ladder import cost_per_million_tokens
+from ...ladder import cost_per_million_tokens, misses
 from ..protocol import Raised
 from . import CheckFailed, check, expect_close, expect_raises, short
 
@@ -53,14 +53,12 @@ def random_targets(rng: random.Random, rungs: list[dict]) -> tuple:
 
 def reference_meets(rung: dict, ttft_slo_s: float, max_ppl_delta_pct: float, min_exact_match: float = 0.0) -> bool:
     """What `meets` must return: every target met, a rung exactly at one included."""
-    return (rung["ttft_p99_s"] <= ttft_slo_s and rung["ppl_delta_pct"] <= max_ppl_delta_pct
-            and rung["exact_match"] >= min_exact_match)
+    return not misses(rung, ttft_slo_s, max_ppl_delta_pct, min_exact_match)
 
 
 def qualifies(rung: dict, targets: tuple) -> bool:
     """Whether the rung meets `targets` (as passed to cheapest after the price) and fits its memory budget."""
-    budget = targets[3] if len(targets) > 3 else None
-    return reference_meets(rung, *targets[:3]) and (budget is None or rung["peak_memory_bytes"] <= budget)
+    return not misses(rung, *targets)
 
 
 def reference_cheapest(rungs: list[dict], price_per_hour: float, targets: tuple) -> int | None:
@@ -77,16 +75,6 @@ def describe(rungs: list[dict], price_per_hour: float, targets: tuple) -> str:
     return f"cheapest({f'{len(rungs)} hidden rungs' if rungs else '[]'}, price_per_hour={price_per_hour}, {args})"
 
 
-def missed(rung: dict, targets: tuple) -> str:
-    """The targets a rung misses, in words."""
-    ttft_slo_s, max_ppl_delta_pct, min_exact_match, budget = targets + (0.0, None)[len(targets) - 2:]
-    misses = [("the TTFT SLO", rung["ttft_p99_s"] > ttft_slo_s),
-              ("the perplexity floor", rung["ppl_delta_pct"] > max_ppl_delta_pct),
-              ("the exact-match floor", rung["exact_match"] < min_exact_match),
-              ("the memory budget", budget is not None and rung["peak_memory_bytes"] > budget)]
-    return " and ".join(what for what, miss in misses if miss)
-
-
 def expect_choice(got, rungs: list[dict], price_per_hour: float, targets: tuple) -> None:
     """CheckFailed unless `got` is the reference's rung, with a reason that says what is wrong with the one returned."""
     what = describe(rungs, price_per_hour, targets)
@@ -97,7 +85,7 @@ def expect_choice(got, rungs: list[dict], price_per_hour: float, targets: tuple)
         raise CheckFailed(f"{what} returned {short(got)}, expected the dict of {want['name']!r} as given")
     cost = {r["name"]: cost_per_million_tokens(r["tokens_per_s"], price_per_hour) for r in (got, want)}
     if not qualifies(got, targets):
-        why = f"which misses {missed(got, targets)}"
+        why = f"which misses its targets ({'; '.join(misses(got, *targets))})"
     elif cost[got["name"]] > cost[want["name"]]:
         why = f"which costs {cost[got['name']]:.6g} per million tokens against {cost[want['name']]:.6g}"
     else:
