@@ -1,4 +1,4 @@
-"""Batching policies on paper: the seed's utilization function, a step simulator, and workloads.
+"""Batching policies on paper: the seed's utilization function, a step simulator; and the policies measured.
 
 The simulator counts steps, not seconds: in every step each running request
 produces one token. It shows what the scheduling policy alone costs; the
@@ -6,10 +6,11 @@ engine (`infopt_lab.engine`) then runs the same policies on the real model.
 """
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
+
+from .workloads import code_prompts, poisson_arrivals, skewed_lengths  # noqa: F401  (re-exported: their old home)
 
 
 def _check_lengths(request_lengths: Sequence[int], batch_size: int) -> None:
@@ -117,50 +118,6 @@ def simulate(request_lengths: Sequence[int], batch_size: int, policy: str = "con
     return SimResult(policy, step, produced / held, produced / (step * batch_size),
                      [first[i] - arrivals[i] + 1 for i in range(n)], [last[i] - arrivals[i] + 1 for i in range(n)],
                      timeline)
-
-
-# -- workloads --------------------------------------------------------------------------------
-
-def skewed_lengths(n: int, short: tuple[int, int] = (8, 32), long: tuple[int, int] = (160, 256),
-                   long_share: float = 0.125, seed: int = 0) -> list[int]:
-    """Output lengths where most requests are short and a few are long, in a shuffled order."""
-    rng = random.Random(seed)
-    n_long = max(1, round(n * long_share)) if n > 1 else 0
-    lengths = [rng.randint(*long) for _ in range(n_long)] + [rng.randint(*short) for _ in range(n - n_long)]
-    rng.shuffle(lengths)
-    return lengths
-
-
-def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
-    """Arrival times (seconds) of n requests arriving at random at `rate_per_s` on average."""
-    if rate_per_s <= 0:
-        raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
-    rng = random.Random(seed)
-    t, times = 0.0, []
-    for _ in range(n):
-        times.append(t)
-        t += rng.expovariate(rate_per_s)
-    return times
-
-
-def code_prompts(tok, n: int, min_tokens: int = 48, max_tokens: int = 96, seed: int = 0) -> list[str]:
-    """n prompts cut from validation files of the corpus at line ends, each min..max tokens long."""
-    from .data import read_texts
-    rng = random.Random(seed)
-    texts = [t for t in read_texts("val") if len(t) > 4000]
-    prompts = []
-    while len(prompts) < n:
-        text = rng.choice(texts)
-        lines = text[rng.randrange(len(text) // 2):].split("\n")[1:]
-        prompt = ""
-        for line in lines:
-            candidate = f"{prompt}\n{line}" if prompt else line
-            if len(tok.encode(candidate)) > max_tokens:
-                break
-            prompt = candidate
-        if len(tok.encode(prompt)) >= min_tokens and prompt.strip():
-            prompts.append(prompt)
-    return prompts
 
 
 def transformers_batched_generate(hf_model, prompt_ids: Sequence[list[int]], max_new_tokens: Sequence[int],

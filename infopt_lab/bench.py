@@ -246,7 +246,8 @@ def bench_batching(model_name: str = "target", n_requests: int = 64, max_batch_s
                    seed: int = 0) -> Result:
     """Static vs continuous batching on our paged engine vs transformers' padded batched generate."""
     from transformers import AutoModelForCausalLM
-    from .batching import code_prompts, compare_policies, skewed_lengths
+    from .batching import compare_policies
+    from .workloads import code_prompts, skewed_lengths
     from .metrics import percentiles
     device = get_device()
     model, tok = load_model(model_name, device=device)

@@ -74,7 +74,7 @@ def prefix_caching_runs(model, tok, workload) -> dict[bool, "SessionRun"]:
 
 def prefix_caching_rows(r: Result, model, tok, sessions: int, rate_per_s: float) -> dict:
     """Serve the agentic workload with and without prefix caching; rows and values."""
-    from .engine.workload import agentic_workload
+    from .workloads import agentic_workload
     w = agentic_workload(tok, sessions=sessions, rate_per_s=rate_per_s)
     r.add("agentic workload", w.describe())
     runs = prefix_caching_runs(model, tok, w)
@@ -102,7 +102,7 @@ def speculation_points(model, draft, tok, batch_sizes=(1, 4, 16), requests: int 
 
     The two engines run in turn, so a machine whose speed drifts slows both alike.
     """
-    from .batching import code_prompts
+    from .workloads import code_prompts
     from .engine import Engine
     prompts = code_prompts(tok, requests)
     points = []

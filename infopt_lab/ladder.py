@@ -182,7 +182,7 @@ def run_ladder(model_name: str = "smollm2-135m", sessions: int = 16, turns: int 
     from transformers import AutoModelForCausalLM
     from .costs import kv_cache_bytes
     from .engine import Engine
-    from .engine.workload import agentic_workload
+    from .workloads import agentic_workload
     from .kv_cache import KVCache
     from .kv_quant import QuantizedKVCache
     from .loading import load_model, resolve_model_dir
@@ -375,7 +375,7 @@ class Fit:
 def memory_interplay(model, tok, budget_bytes: int, seq_tokens: int, block_size: int = 16, new_tokens: int = 8,
                      cap: int = 32) -> list[Fit]:
     """fp32 vs int8 weights x fp32 vs int8 KV at one memory budget: sequences that fit, and their throughput."""
-    from .batching import code_prompts
+    from .workloads import code_prompts
     from .engine import Engine
     from .engine.llm_engine import KV_CACHE_DTYPES
     from .quantize import quantize_model, state_dict_bytes
