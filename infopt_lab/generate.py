@@ -65,6 +65,20 @@ class Decoder:
         self.pos -= n
 
 
+def finish_tokens(tokens: list[int], produced: int, max_new_tokens: int,
+                  stop_ids: frozenset[int] | set[int] = frozenset()) -> tuple[list[int], bool]:
+    """Of `tokens`, the next ones a request produced after `produced` others, those it keeps; and whether it finished.
+
+    A request finishes at its first stop id (kept: an end-of-sequence token is part of the output) or at
+    its `max_new_tokens`-th token, whichever comes first; tokens after that are dropped. The one finishing
+    rule: generation, speculative decoding and the engine's scheduler all call it.
+    """
+    for i, token in enumerate(tokens):
+        if produced + i + 1 >= max_new_tokens or token in stop_ids:
+            return list(tokens[:i + 1]), True
+    return list(tokens), False
+
+
 @torch.inference_mode()
 def prefill(model, input_ids: Tensor, cache) -> Tensor:
     """Run the prompt [B, T] through the model; logits of its last position [B, V]."""
@@ -95,13 +109,29 @@ def generate_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache:
         token = sample(logits, params, generator)                      # (B,)
         yield token
         # a single sequence may stop early; a batch runs to max_new_tokens (the engine retires rows)
-        if i == params.max_new_tokens - 1 or (B == 1 and int(token) in stops):
+        done = finish_tokens([int(token)], i, params.max_new_tokens, stops)[1] if B == 1 \
+            else i == params.max_new_tokens - 1
+        if done:
             return
         if use_cache:
             logits = decoder.feed(token[:, None])[:, -1]
         else:
             seq = torch.cat([seq, token[:, None]], dim=1)              # (B, T + i + 1)
             logits = model(seq)[:, -1]                                 # recompute everything
+
+
+def timed_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache: bool = True,
+                 eos_id: int | None = None, cache_factory: Callable = KVCache.for_model) -> Iterator[tuple[int, float]]:
+    """Yield each new token of one sequence [1, T] and when it was ready, in seconds from the start.
+
+    The one timed decode loop: the device is waited for before the clock starts and before each reading,
+    so a token counts when its kernels have finished, not when they were launched.
+    """
+    synchronize(input_ids.device)
+    start = time.perf_counter()
+    for token in generate_tokens(model, input_ids, params, use_cache, eos_id, cache_factory):
+        synchronize(input_ids.device)
+        yield int(token[0]), time.perf_counter() - start
 
 
 def encode_prompt(model, tok, prompt: str) -> Tensor:
@@ -118,14 +148,10 @@ def generate(model, tok, prompt: str, params: SamplingParams | None = None, *, u
     """Complete one prompt and time it: text, tokens, TTFT, TPOT, tokens/s. Keyword overrides: SamplingParams fields."""
     params = sampling_params(params, **overrides)
     input_ids = encode_prompt(model, tok, prompt)
-    device = input_ids.device
-    synchronize(device)
-    start = time.perf_counter()
     new, times = [], []
-    for token in generate_tokens(model, input_ids, params, use_cache, tok.eos_token_id):
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        new.append(int(token))
+    for token, seconds in timed_tokens(model, input_ids, params, use_cache, tok.eos_token_id):
+        new.append(token)
+        times.append(seconds)
     m = request_metrics(0.0, times)
     return GenerationOutput(text=tok.decode(new, skip_special_tokens=True), token_ids=new,
                             prompt_ids=input_ids[0].tolist(), ttft_s=m.ttft_s, tpot_s=m.tpot_s,

@@ -99,7 +99,59 @@ class KVCache(ContiguousCache):
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
-class PagedKVCache:
+NULL_BLOCK = 0   # block 0 of every paged pool: never handed to a sequence; padding rows write their throw-away keys there
+
+
+class PagedPool:
+    """What every paged KV pool shares: [L, N_blocks, block_size, ...] tensors, their shape, the checks of both sizes.
+
+    The pool owns `num_blocks` and `block_size`; the engine's block manager takes them from here.
+    Subclasses allocate their tensors in `_allocate` and implement `write(layer, slots, k, v)` and
+    `gather(layer, block_tables)`.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.num_blocks = validate.integer("num_blocks", num_blocks, low=2)      # NULL_BLOCK is the padding sink
+        self.block_size = validate.integer("block_size", block_size, low=1, high=config.max_seq_len)
+        self.n_kv_heads, self.head_dim, self.dtype = config.n_kv_heads, config.head_dim, dtype
+        self._allocate((config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim), device)
+
+    def _allocate(self, shape: tuple[int, ...], device) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int | None, block_size: int = 16, reserve: tuple[int, int] = (1, 0)):
+        """A block pool matching a model's config, dtype and device.
+
+        `num_blocks=None` sizes it for `reserve` = (requests, tokens each) held at once, plus NULL_BLOCK.
+        """
+        p = next(model.parameters())
+        if num_blocks is None:
+            size = validate.integer("block_size", block_size, low=1, high=model.config.max_seq_len)
+            num_blocks = reserve[0] * -(-reserve[1] // size) + 1
+        return cls(model.config, num_blocks, block_size, dtype=p.dtype, device=p.device)
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the pool tensors (scales included, for a quantized pool)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def _flat(self, pool: Tensor, layer: int) -> Tensor:
+        """One layer of a pool tensor with its slots in one dimension: [N_blocks * block_size, ...]."""
+        return pool[layer].view(self.num_blocks * self.block_size, *pool.shape[3:])
+
+    def _blocks(self, pool: Tensor, layer: int, block_tables: Tensor) -> Tensor:
+        """The blocks each table lists, [B, n_blocks * block_size, ...] (slots in order)."""
+        B, n = block_tables.shape
+        return take_blocks(pool[layer], block_tables).view(B, n * self.block_size, *pool.shape[3:])
+
+
+class PagedKVCache(PagedPool):
     """A pool of fixed-size KV blocks shared by all sequences (vLLM's layout).
 
     Shape contract: k, v are [L, N_blocks, block_size, H_kv, D]. A sequence owns a
@@ -108,35 +160,20 @@ class PagedKVCache:
     up front, so memory follows the tokens actually written.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        self.num_blocks = validate.integer("num_blocks", num_blocks, low=2)      # block 0 is the padding sink
-        self.block_size = validate.integer("block_size", block_size, low=1)
-        self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
-        shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
-        self.k, self.v = zeros_checked([(shape, dtype)] * 2, device, "the paged KV pool")  # (L, N_blocks, block_size, H_kv, D)
+    def _allocate(self, shape: tuple[int, ...], device) -> None:
+        self.k, self.v = zeros_checked([(shape, self.dtype)] * 2, device, "the paged KV pool")  # (L, N_blocks, block_size, H_kv, D)
 
-    @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int = 16) -> "PagedKVCache":
-        """A block pool matching a model's config, dtype and device."""
-        p = next(model.parameters())
-        return cls(model.config, num_blocks, block_size, dtype=p.dtype, device=p.device)
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.k, self.v
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         # slots: [T] flat slot ids (block * block_size + row); k, v: [T, H_kv, D]
-        self.k[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        self.v[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        self._flat(self.k, layer).index_copy_(0, slots, k)
+        self._flat(self.v, layer).index_copy_(0, slots, v)
 
     def gather(self, layer: int, block_tables: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of each sequence, [B, H_kv, n_blocks * block_size, D], from tables [B, n_blocks]."""
-        B, n = block_tables.shape
-        k = take_blocks(self.k[layer], block_tables)       # (B, n_blocks, block_size, H_kv, D)
-        v = take_blocks(self.v[layer], block_tables)
-        k = k.view(B, n * self.block_size, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, S, D)
-        v = v.view(B, n * self.block_size, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return k, v
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the pool tensors."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        k = self._blocks(self.k, layer, block_tables)      # (B, S, H_kv, D)
+        v = self._blocks(self.v, layer, block_tables)
+        return k.transpose(1, 2), v.transpose(1, 2)        # (B, H_kv, S, D)

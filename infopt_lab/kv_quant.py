@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .config import ModelConfig
 from . import validate
-from .kv_cache import ContiguousCache, cache_slots, take_blocks, zeros_checked
+from .kv_cache import ContiguousCache, PagedPool, cache_slots, zeros_checked
 
 SCALE_DTYPE = torch.float16   # scales in 16 bits: 2 bytes per head and position
 
@@ -60,7 +60,7 @@ class QuantizedKVCache(ContiguousCache):
         return sum(t.numel() * t.element_size() for t in (self.k_q, self.v_q, self.k_scale, self.v_scale))
 
 
-class QuantizedPagedKVCache:
+class QuantizedPagedKVCache(PagedPool):
     """The engine's block pool in int8 (`lab.Engine(..., kv_cache_dtype="int8")`): PagedKVCache's contract.
 
     k_q, v_q are [L, N_blocks, block_size, H_kv, D] int8 and k_scale, v_scale [L, N_blocks, block_size, H_kv],
@@ -68,39 +68,26 @@ class QuantizedPagedKVCache:
     through QuantizedKVCache is the one this pool gives. `gather` dequantizes to the compute dtype.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        self.num_blocks = validate.integer("num_blocks", num_blocks, low=2)      # block 0 is the padding sink
-        self.block_size = validate.integer("block_size", block_size, low=1)
-        self.n_kv_heads, self.head_dim, self.dtype = config.n_kv_heads, config.head_dim, dtype
-        shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
+    def _allocate(self, shape: tuple[int, ...], device) -> None:
         self.k_q, self.v_q, self.k_scale, self.v_scale = zeros_checked(
             [(shape, torch.int8)] * 2 + [(shape[:-1], SCALE_DTYPE)] * 2, device, "the int8 paged KV pool")
 
-    @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int = 16) -> "QuantizedPagedKVCache":
-        """An int8 block pool matching a model's config, compute dtype and device."""
-        p = next(model.parameters())
-        return cls(model.config, num_blocks, block_size, dtype=p.dtype, device=p.device)
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.k_q, self.v_q, self.k_scale, self.v_scale
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         # slots: [T] flat slot ids; k, v: [T, H_kv, D], quantized per token and head
         for q_pool, s_pool, x in ((self.k_q, self.k_scale, k), (self.v_q, self.v_scale, v)):
             q, scale = quantize_heads(x)                                    # (T, H_kv, D) int8, (T, H_kv)
-            q_pool[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, q)
-            s_pool[layer].view(-1, self.n_kv_heads).index_copy_(0, slots, scale)
+            self._flat(q_pool, layer).index_copy_(0, slots, q)
+            self._flat(s_pool, layer).index_copy_(0, slots, scale)
 
     def gather(self, layer: int, block_tables: Tensor) -> tuple[Tensor, Tensor]:
         """Dequantized keys and values of each sequence, [B, H_kv, n_blocks * block_size, D]."""
-        B, n = block_tables.shape
         out = []
         for q_pool, s_pool in ((self.k_q, self.k_scale), (self.v_q, self.v_scale)):
-            x = take_blocks(q_pool[layer], block_tables).to(self.dtype)     # (B, n_blocks, block_size, H_kv, D)
-            x.mul_(take_blocks(s_pool[layer], block_tables).to(self.dtype).unsqueeze(-1))   # in place: one copy
-            out.append(x.view(B, n * self.block_size, self.n_kv_heads, self.head_dim).transpose(1, 2))
+            x = self._blocks(q_pool, layer, block_tables).to(self.dtype)    # (B, S, H_kv, D)
+            x.mul_(self._blocks(s_pool, layer, block_tables).to(self.dtype).unsqueeze(-1))   # in place: one copy
+            out.append(x.transpose(1, 2))
         return out[0], out[1]                                               # (B, H_kv, S, D) each
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the pool tensors, scales included."""
-        return sum(t.numel() * t.element_size() for t in (self.k_q, self.v_q, self.k_scale, self.v_scale))

@@ -178,14 +178,14 @@ def test_an_exception_mid_run_leaves_the_engine_as_new(tiny, monkeypatch):
     prompts, kw = ["a = 1", "b = 2", "c = 3"], dict(max_new_tokens=[6, 9, 4], stop_at_eos=False)
     fresh = lab.Engine(model, tok, max_batch_size=2, block_size=4).generate(prompts, **kw)
     engine = lab.Engine(model, tok, max_batch_size=2, block_size=4)
-    run, calls = engine.runner.run, []
+    run, calls = engine.runner.execute_model, []
 
-    def failing(batch):
+    def failing(batch, sample):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("the device went away")
-        return run(batch)
-    monkeypatch.setattr(engine.runner, "run", failing)
+        return run(batch, sample)
+    monkeypatch.setattr(engine.runner, "execute_model", failing)
     with pytest.raises(RuntimeError, match="went away"):
         engine.generate(prompts, **kw)
     assert engine.blocks.num_free == engine.blocks.capacity and not engine.has_unfinished()

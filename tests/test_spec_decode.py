@@ -84,7 +84,7 @@ def test_bad_drafts_and_draft_lengths_are_refused_when_the_engine_is_built(pair)
         lab.Engine(target, tok, draft=other, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 0"):
         lab.Engine(target, tok, draft=draft, num_speculative_tokens=-1)
-    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 0"):
+    with pytest.raises(TypeError, match="num_speculative_tokens must be an integer >= 0"):
         lab.Engine(target, tok, draft=draft, num_speculative_tokens=True)
     with pytest.raises(ValueError, match="needs a draft"):
         lab.Engine(target, tok, num_speculative_tokens=2)

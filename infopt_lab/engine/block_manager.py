@@ -2,8 +2,8 @@
 
 A sequence asks for room one token (or one prefill chunk) at a time; a new
 block is taken from the free list only when its last block is full, so at most
-block_size - 1 slots per sequence are ever empty. Block 0 is never handed out:
-padding rows write their throw-away keys and values there.
+block_size - 1 slots per sequence are ever empty. NULL_BLOCK (block 0) is never
+handed out: padding rows write their throw-away keys and values there.
 
 With prefix caching (vLLM's automatic prefix caching), every full block of
 computed tokens gets a key: a hash of its parent block's key and its own token
@@ -20,6 +20,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from .. import validate
+from ..kv_cache import NULL_BLOCK
 
 
 class OutOfBlocks(RuntimeError):
@@ -32,15 +33,13 @@ def block_key(parent: bytes, token_ids) -> bytes:
 
 
 class BlockManager:
+    """Which blocks of a paged pool each sequence holds; `for_pool` takes the pool's sizes (the pool owns them)."""
+
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        validate.boolean("enable_prefix_caching", enable_prefix_caching)
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.free_blocks: deque[int] = deque(range(1, num_blocks))
+        self.num_blocks = validate.integer("num_blocks", num_blocks, low=2)    # NULL_BLOCK is reserved
+        self.block_size = validate.integer("block_size", block_size, low=1)
+        self.enable_prefix_caching = validate.boolean("enable_prefix_caching", enable_prefix_caching)
+        self.free_blocks: deque[int] = deque(b for b in range(num_blocks) if b != NULL_BLOCK)
         self.tables: dict[int, list[int]] = {}
         self.num_tokens: dict[int, int] = {}
         self.refs = [0] * num_blocks                       # sequences holding each block
@@ -48,6 +47,11 @@ class BlockManager:
         self.key_of: dict[int, bytes] = {}                 # block -> its key, for cached blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()   # cached, held by none; least recently used first
         self.keys: dict[int, list[bytes]] = {}             # each sequence's chain of full-block keys so far
+
+    @classmethod
+    def for_pool(cls, pool, enable_prefix_caching: bool = False) -> "BlockManager":
+        """The manager of a paged KV pool's blocks (PagedPool): its number and size, as the pool has them."""
+        return cls(pool.num_blocks, pool.block_size, enable_prefix_caching)
 
     @property
     def capacity(self) -> int:

@@ -1,9 +1,8 @@
 """The engine loop: add requests, schedule a step, run it, sample, retire; and `Engine.generate` around it."""
 from __future__ import annotations
 
-import math
-import numbers
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -83,31 +82,26 @@ class LLMEngine:
         validate.model("model", model)
         if scheduler not in POLICIES:
             raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {scheduler!r}")
-        self.model, self.tok = model, tok
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        self.model, self.tok, self.kv_cache_dtype = model, tok, kv_cache_dtype
         self.max_seq_len = model.config.max_seq_len
         self.max_batch_size = validate.integer("max_batch_size", max_batch_size, low=1)
-        block_size = validate.integer("block_size", block_size, low=1, high=self.max_seq_len)
         # the longest request (prompt + new tokens) a default pool holds for every slot at once
         self.max_model_len = validate.integer("max_model_len", max_model_len or min(self.max_seq_len,
                                               DEFAULT_MAX_MODEL_LEN), low=1, high=self.max_seq_len)
-        if num_blocks is None:    # room for a full batch of the longest requests: preemption never needed
-            num_blocks = max_batch_size * -(-self.max_model_len // block_size) + 1
-        num_blocks = validate.integer("num_blocks", num_blocks, low=2)          # block 0 is reserved
         budget = validate.integer("max_num_batched_tokens", max_num_batched_tokens or max(256, max_batch_size),
                                   low=max_batch_size)
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-        self.kv_cache_dtype = kv_cache_dtype
+        k = check_speculation(model, draft, num_speculative_tokens, self.max_model_len)
         pool = KV_CACHE_DTYPES[kv_cache_dtype]
-        self.cache = pool.for_model(model, num_blocks, block_size)             # checked against free memory first
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = POLICIES[scheduler](self.blocks, max_batch_size, budget)
+        # the pool owns num_blocks and block_size (checked there, and against free memory before allocating);
+        # by default it holds a full batch of the longest requests, so preemption is never needed
+        self.cache = pool.for_model(model, num_blocks, block_size, reserve=(self.max_batch_size, self.max_model_len))
+        self.blocks = BlockManager.for_pool(self.cache, enable_prefix_caching)
+        self.scheduler = POLICIES[scheduler](self.blocks, self.max_batch_size, budget, k)
         self.runner = ModelRunner(model, self.cache, self.blocks,
                                   cascade=validate.boolean("cascade_attention", cascade_attention))
-        k = check_speculation(model, draft, num_speculative_tokens, self.max_model_len)
         self.speculator = Speculator(self.runner, draft, k, self.blocks, pool) if k else None
-        if self.speculator is not None:
-            self.scheduler.lookahead = self.speculator.lookahead
         self.device = self.runner.device
         self.sequences: dict[int, Sequence] = {}    # every request added since the clock was reset
         self.refused: list[Sequence] = []          # refused since the last step, reported by the next
@@ -129,7 +123,7 @@ class LLMEngine:
                     arrival_s: float | None = None) -> int:
         """Queue one request (text, or token ids); its id. One that can never be served is refused by the next step."""
         params = sampling_params(params)
-        arrival = self.now() if arrival_s is None else _arrival(arrival_s)
+        arrival = self.now() if arrival_s is None else validate.arrival_time("arrival_s", arrival_s)
         seq_id = len(self.sequences)
         seq = Sequence(seq_id, self._ids(prompt), params, arrival, params.stop_ids(self.tok.eos_token_id),
                        make_generator(params.seed, self.device))
@@ -183,39 +177,18 @@ class LLMEngine:
         return [self.output(s) for s in finished]
 
     def _run(self, batch: Batch) -> list[Sequence]:
-        """Run a scheduled batch, sample a token for every chunk that reached its sequence's end; who finished."""
+        """Run a scheduled batch (the model runner, or the speculator), let the scheduler apply it; who finished."""
         start, rows = self.now(), self._rows(batch)
-        if self.speculator is None:
-            logits = self.runner.run(batch)                 # (R, V): one row per chunk that samples
-            sampling = [c.seq for c in batch.chunks if c.samples]
-            for chunk in batch.chunks:
-                chunk.seq.num_computed += chunk.num_tokens
-                chunk.seq.draft_computed = chunk.seq.num_computed
-            new = {seq: [token] for seq, token in zip(sampling, self._sample(logits, sampling))}
-        else:
-            new = self.speculator.run(batch, self._sample)  # kept drafts + the target's token, per sequence
+        executor = self.runner if self.speculator is None else self.speculator
+        outputs = executor.execute_model(batch, self._sample)
         synchronize(self.device)
         t = self.now()
-        finished = []
-        for chunk in batch.chunks:
-            seq, done = chunk.seq, False
-            for token in new.get(seq, ()):
-                seq.output_ids.append(token)
-                seq.token_times_s.append(t)
-                done = len(seq.output_ids) >= seq.max_new_tokens or token in seq.stop_ids
-                if done:
-                    break
-            self.blocks.commit(seq.seq_id, seq.all_ids[:min(seq.num_computed, seq.draft_computed)])
-            if done:
-                self.scheduler.retire(seq)
-                finished.append(seq)
-            elif chunk.lookahead:
-                self.blocks.truncate(seq.seq_id, seq.num_computed)         # roll back the rejected drafts
+        finished = self.scheduler.update_from_output(batch, outputs, t)
         running = self.scheduler.running
         self.stats.timeline.append(StepRecord(start, t, rows, sum(s.num_computed for s in running),
                                               self.blocks.num_used, len(running)))
         self.stats.steps += 1
-        self.stats.sampled_rows += len(new)
+        self.stats.sampled_rows += sum(1 for o in outputs.values() if o.tokens)
         self.stats.padding_rows += len(batch.padding)
         self.stats.kv_blocks_peak = max(self.stats.kv_blocks_peak, self.blocks.num_used)
         self.stats.preemptions = self.scheduler.preemptions - self.preempted_before
@@ -266,6 +239,42 @@ class LLMEngine:
         return rows + [(s.slot, s.seq_id, "padding") for s in batch.padding]
 
 
+    def serve(self, add_requests: Callable[[], None],
+              on_finished: Callable[[RequestOutput], None] | None = None, total: int | None = None,
+              progress: bool = False) -> None:
+        """The one driving loop: from a new engine, add the first requests, then step until nothing is left.
+
+        `on_finished` sees every request as it finishes and may add more (the next turn of a session).
+        When nothing can run, the clock moves to the next arrival (idle time passes, never slept). The
+        engine must hold no unfinished request first; on any error it is left as new (nothing queued,
+        no blocks held). `total` requests in the progress bar (`progress=True`).
+        """
+        if self.has_unfinished():
+            raise ValueError(f"the engine holds {len(self.sequences)} request(s) added with add_request that have "
+                             "not finished; step() until has_unfinished() is False, or call abort_all(), first")
+        self.abort_all()
+        self.reset_clock()
+        bar = progress_bar(total, progress)
+        try:
+            add_requests()
+            self.start = time.perf_counter()        # the clock starts once the first requests are in (tokenized)
+            while self.has_unfinished():
+                done = self.step()
+                for out in done:
+                    if on_finished is not None:
+                        on_finished(out)
+                if bar is not None:
+                    bar.update(len(done))
+                if not done and self.scheduler.has_work and not self.scheduler.running:
+                    self.wait_for_arrival()
+        except BaseException:
+            self.abort_all()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+
 class Engine(LLMEngine):
     """`lab.Engine(model, tok, scheduler="continuous").generate(prompts, lab.SamplingParams(max_new_tokens=64))`."""
 
@@ -281,31 +290,10 @@ class Engine(LLMEngine):
             raise TypeError("prompts must be a list of strings (or of token-id lists), not one string")
         prompts = list(prompts)
         per_request = self._per_request(len(prompts), params, arrival_s, overrides)
-        if self.has_unfinished():
-            raise ValueError(f"the engine holds {len(self.sequences)} request(s) added with add_request that have "
-                             "not finished; step() until has_unfinished() is False, or call abort_all(), first")
-        self.abort_all()
-        self.reset_clock()
-        try:
-            ids = [self.add_request(p, ps, a) for p, (ps, a) in zip(prompts, per_request)]
-            self.start = time.perf_counter()        # the clock starts once every request is in (tokenized)
-            self._run_to_completion(len(ids), progress)
-        except BaseException:
-            self.abort_all()                        # leave the engine as a new one: nothing queued, no blocks held
-            raise
+        ids: list[int] = []
+        self.serve(lambda: ids.extend(self.add_request(p, ps, a) for p, (ps, a) in zip(prompts, per_request)),
+                   total=len(prompts), progress=progress)
         return Outputs([self.output(self.sequences[i]) for i in ids], self.stats)
-
-    def _run_to_completion(self, total: int, progress: bool) -> None:
-        """Step until every request has finished, waiting for arrivals when nothing can run."""
-        bar = _progress(total, progress)
-        while self.has_unfinished():
-            done = self.step()
-            if bar is not None:
-                bar.update(len(done))
-            if not done and self.scheduler.has_work and not self.scheduler.running:
-                self.wait_for_arrival()
-        if bar is not None:
-            bar.close()
 
     def _per_request(self, n: int, params, arrival_s, overrides: dict) -> list[tuple[SamplingParams, float]]:
         """(params, arrival) for each of n prompts, every list checked to hold one entry per prompt."""
@@ -317,7 +305,7 @@ class Engine(LLMEngine):
             lengths = list(lengths)
         else:
             lengths = [lengths] * n
-        arrivals = [0.0] * n if arrival_s is None else [_arrival(a) for a in arrival_s]
+        arrivals = [0.0] * n if arrival_s is None else validate.arrival_times("arrival_s", arrival_s)
         if not len(params) == len(lengths) == len(arrivals) == n:
             raise ValueError(f"got {n} prompts, {len(params)} params, {len(lengths)} max_new_tokens and "
                              f"{len(arrivals)} arrival times; give one per prompt")
@@ -326,14 +314,8 @@ class Engine(LLMEngine):
 
 
 
-def _arrival(value) -> float:
-    """An arrival time in seconds: a finite number >= 0, else a clear error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"arrival_s must hold finite numbers >= 0 (seconds after the start), got {value!r}")
-    return float(value)
-
-
-def _progress(total: int, show: bool):
+def progress_bar(total: int | None, show: bool):
+    """A tqdm bar over `total` requests when `show`, else None."""
     if not show:
         return None
     from tqdm.auto import tqdm

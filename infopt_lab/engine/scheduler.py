@@ -8,6 +8,12 @@ newest running sequence is preempted: its blocks are freed and it is queued
 again, to be recomputed later. With prefix caching, a sequence admitted with
 cached blocks starts after them: only the rest of its prompt is computed.
 
+The scheduler is the one writer of per-step state (vLLM's `update_from_output`):
+the model runner and the speculator return what a step produced as data, and
+`update_from_output` advances each sequence's computed tokens, appends its new
+tokens, decides whether it finished (length, EOS, stop ids: `finish_tokens`),
+and commits, truncates or frees its blocks.
+
 - continuous: admits and retires at every step, so a finished request's slot
   is refilled at once.
 - static: forms a fixed batch and admits nothing until all of it has finished;
@@ -17,26 +23,17 @@ cached blocks starts after them: only the rest of its prompt is computed.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..generate import finish_tokens
 from .block_manager import BlockManager
-from .sequence import Sequence, Status
-
-@dataclass
-class Chunk:
-    seq: Sequence
-    num_tokens: int          # tokens fed this step: a prefill chunk, or 1 while decoding
-    lookahead: int = 0       # slots reserved after it for draft tokens to verify (speculative decoding)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed + self.num_tokens == self.seq.length
+from .sequence import Chunk, SeqOutput, Sequence, Status
 
 
 @dataclass
 class Batch:
+    """One step's work: a chunk per scheduled sequence, and the finished rows a static batch still computes."""
+
     chunks: list[Chunk] = field(default_factory=list)
     padding: list[Sequence] = field(default_factory=list)   # finished rows a static batch still carries
 
@@ -50,13 +47,14 @@ class Scheduler:
 
     name = ""
 
-    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
+                 num_speculative_tokens: int = 0):
         self.blocks = blocks
         self.max_batch_size, self.max_num_batched_tokens = max_batch_size, max_num_batched_tokens
+        self.num_speculative_tokens = num_speculative_tokens   # draft slots a greedy decoding sequence may fill
         self.waiting: deque[Sequence] = deque()    # first come, first served
         self.running: list[Sequence] = []          # in admission order: the newest is preempted first
         self.preemptions = 0
-        self.lookahead: Callable[[Sequence], int] = lambda seq: 0   # draft slots a decoding sequence may fill
 
     def add(self, seq: Sequence) -> None:
         """Queue a request behind every queued one that arrives no later (first come, first served)."""
@@ -91,7 +89,7 @@ class Scheduler:
             extra = min(self.lookahead(seq), budget - n) if n == seq.num_uncomputed == 1 else 0
             if self._make_room(seq, n + extra, batch):
                 self.blocks.append(seq.seq_id, n + extra)
-                batch.chunks.append(Chunk(seq, n, extra))
+                batch.chunks.append(Chunk.of(seq, n, extra))
                 budget -= n + extra
         for seq in self._candidates(now):
             hit = self.blocks.match(seq.all_ids)                 # cached blocks of its prefix (prefix caching)
@@ -104,9 +102,48 @@ class Scheduler:
             seq.num_computed = seq.draft_computed = cached
             seq.looked_up_tokens += seq.length if self.blocks.enable_prefix_caching else 0
             seq.cached_tokens += cached
-            batch.chunks.append(Chunk(seq, n))
+            batch.chunks.append(Chunk.of(seq, n))
             budget -= n
         return batch
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Draft slots a decoding sequence may fill this step: k, fewer near its end, 0 if it samples."""
+        if not self.num_speculative_tokens or not seq.params.greedy:
+            return 0
+        return max(0, min(self.num_speculative_tokens, seq.max_new_tokens - len(seq.output_ids) - 1))
+
+    def update_from_output(self, batch: Batch, outputs: dict[Sequence, SeqOutput], now: float) -> list[Sequence]:
+        """Apply what a step produced (vLLM's name): the only place sequences advance; the ones that finished.
+
+        Every chunk's sequence counts its kept keys and values as computed, takes its new tokens up to
+        where it finishes (`finish_tokens`), caches its full computed blocks (prefix caching), and either
+        retires or gives back the slots of rejected drafts.
+        """
+        finished = []
+        for chunk in batch.chunks:
+            seq, out = chunk.seq, outputs[chunk.seq]
+            seq.num_computed += out.computed
+            seq.draft_computed = seq.num_computed if out.draft_computed is None else \
+                min(seq.num_computed, out.draft_computed)
+            self._count_drafts(seq, out)
+            tokens, done = finish_tokens(out.tokens, len(seq.output_ids), seq.max_new_tokens, seq.stop_ids)
+            seq.output_ids += tokens
+            seq.token_times_s += [now] * len(tokens)
+            self.blocks.commit(seq.seq_id, seq.all_ids[:min(seq.num_computed, seq.draft_computed)])
+            if done:
+                self.retire(seq)
+                finished.append(seq)
+            elif chunk.lookahead:
+                self.blocks.truncate(seq.seq_id, seq.num_computed)         # roll back the rejected drafts
+        return finished
+
+    @staticmethod
+    def _count_drafts(seq: Sequence, out: SeqOutput) -> None:
+        if out.drafted:
+            seq.draft_tokens += out.drafted
+            seq.accepted_tokens += out.accepted
+            seq.judged_tokens += out.accepted + (out.accepted < out.drafted)   # after a rejection nothing is judged
+            seq.spec_rounds += 1
 
     def retire(self, seq: Sequence) -> None:
         """A sequence finished: free its blocks."""
@@ -180,8 +217,9 @@ class StaticScheduler(Scheduler):
 
     name = "static"
 
-    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
-        super().__init__(blocks, max_batch_size, max_num_batched_tokens)
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
+                 num_speculative_tokens: int = 0):
+        super().__init__(blocks, max_batch_size, max_num_batched_tokens, num_speculative_tokens)
         self.members: list[Sequence] = []          # the current fixed batch
 
     @property

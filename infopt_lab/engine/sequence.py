@@ -1,7 +1,7 @@
-"""One request's state as the engine serves it: tokens, cache progress, timings."""
+"""One request's state as the engine serves it (tokens, cache progress, timings), and a piece of it fed in a step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -68,3 +68,50 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.status in (Status.FINISHED, Status.FAILED)
+
+
+@dataclass
+class Chunk:
+    """A run of one sequence's tokens fed in a step, from position `start`; the last `logits` of them give logits.
+
+    The scheduler makes one per running sequence (a prefill chunk, or the one token of a decode step,
+    with `lookahead` slots reserved for draft tokens to verify); speculative decoding makes others from
+    them (the draft's catch-up, each proposal, the proposals to verify). Nothing in a chunk changes its sequence.
+    """
+
+    seq: Sequence
+    start: int               # position of its first token
+    ids: list[int]           # the tokens fed
+    logits: int = 0          # rows that give logits, the last ones (1: the next token; k + 1: a draft verified)
+    lookahead: int = 0       # slots reserved after it for draft tokens (speculative decoding)
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int, lookahead: int = 0) -> "Chunk":
+        """The next `num_tokens` uncomputed tokens of `seq`; logits for the next token if they reach its end."""
+        start = seq.num_computed
+        return cls(seq, start, seq.all_ids[start:start + num_tokens], int(start + num_tokens == seq.length),
+                   lookahead)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches its sequence's last token, so a new token is sampled after it."""
+        return self.start + self.num_tokens == self.seq.length
+
+    def extended(self, draft: list[int]) -> "Chunk":
+        """The chunk with draft tokens after it, every one of them (and its last own token) giving logits."""
+        return replace(self, ids=self.ids + draft, logits=len(draft) + 1)
+
+
+@dataclass
+class SeqOutput:
+    """What one step produced for one sequence, as data: the scheduler alone applies it (`update_from_output`)."""
+
+    tokens: list[int] = field(default_factory=list)  # new tokens in order (drafts kept, then the target's); [] if none
+    computed: int = 0                   # of the tokens fed, those whose keys and values stay valid in the cache
+    draft_computed: int | None = None   # positions valid in the draft's cache after the step; None: the target's
+    drafted: int = 0                    # draft tokens proposed for it (speculative decoding)
+    accepted: int = 0                   # of those, kept by the target

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from ..metrics import percentiles
 from ..sampling import SamplingParams, sampling_params
 from ..workloads import AgenticWorkload, Session, agentic_workload  # noqa: F401  (re-exported: their old home)
-from .llm_engine import Engine, EngineStats, RequestOutput, _progress
+from .llm_engine import Engine, EngineStats, RequestOutput
 
 
 @dataclass
@@ -61,39 +61,24 @@ def run_sessions(engine: Engine, workload: AgenticWorkload, params: SamplingPara
     if not isinstance(workload, AgenticWorkload):
         raise TypeError(f"workload must be an AgenticWorkload (from agentic_workload), got {type(workload).__name__}")
     params = sampling_params(params, max_new_tokens=workload.new_tokens)
-    if engine.has_unfinished():
-        raise ValueError(f"the engine holds {len(engine.sequences)} request(s) added with add_request that have "
-                         "not finished; step() until has_unfinished() is False, or call abort_all(), first")
-    engine.abort_all()
-    engine.reset_clock()
     system = list(workload.system_ids)
     turn_of: dict[int, tuple[int, int]] = {}        # request id -> (session, turn)
     results: list[TurnResult] = []
-    bar = _progress(workload.total_turns, progress)
 
     def add(session: int, turn: int, prompt: list[int], arrival_s: float) -> None:
         turn_of[engine.add_request(prompt, params, arrival_s)] = (session, turn)
 
-    try:
+    def first_turns() -> None:
         for i, s in enumerate(workload.sessions):
             add(i, 0, system + list(s.user_ids[0]), s.start_s)
-        while engine.has_unfinished():
-            done = engine.step()
-            for out in done:
-                i, t = turn_of[out.request_id]
-                results.append(TurnResult(i, t, out.request_id, len(out.prompt_ids), out))
-                user = workload.sessions[i].user_ids
-                if out.ok and t + 1 < len(user):     # the agent answers at once: no think time
-                    add(i, t + 1, out.prompt_ids + out.token_ids + list(user[t + 1]), engine.now())
-            if bar is not None:
-                bar.update(len(done))
-            if not done and engine.scheduler.has_work and not engine.scheduler.running:
-                engine.wait_for_arrival()          # idle until the next session starts: skip ahead, never sleep
-    except BaseException:
-        engine.abort_all()                          # leave the engine as a new one: nothing queued, no blocks held
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
+
+    def next_turn(out: RequestOutput) -> None:
+        i, t = turn_of[out.request_id]
+        results.append(TurnResult(i, t, out.request_id, len(out.prompt_ids), out))
+        user = workload.sessions[i].user_ids
+        if out.ok and t + 1 < len(user):             # the agent answers at once: no think time
+            add(i, t + 1, out.prompt_ids + out.token_ids + list(user[t + 1]), engine.now())
+
+    engine.serve(first_turns, next_turn, total=workload.total_turns, progress=progress)
     results.sort(key=lambda r: (r.session, r.turn))
     return SessionRun(results, engine.stats)
