@@ -1,4 +1,4 @@
-"""Batching policies on paper: the seed's utilization function, a step simulator; and the policies measured.
+"""Batching policies on paper: the seed's utilization function and a step simulator.
 
 The simulator counts steps, not seconds: in every step each running request
 produces one token. It shows what the scheduling policy alone costs; the
@@ -8,26 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from numbers import Integral
 
+from . import validate
 from .workloads import code_prompts, poisson_arrivals, skewed_lengths  # noqa: F401  (re-exported: their old home)
-
-
-def _check_lengths(request_lengths: Sequence[int], batch_size: int) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if isinstance(request_lengths, (str, bytes)) or not hasattr(request_lengths, "__len__"):
-        raise TypeError(f"request_lengths must be a list of integers, got {type(request_lengths).__name__}")
-    if len(request_lengths) == 0:
-        raise ValueError("request_lengths is empty: give at least one request")
-    bad = [n for n in request_lengths if isinstance(n, bool) or not isinstance(n, Integral) or n < 1]
-    if bad:
-        raise ValueError(f"request lengths must be integers >= 1, got {bad[:5]}")
 
 
 def static_batch_utilization(request_lengths: Sequence[int], batch_size: int) -> float:
     """Useful share of the slot-steps static batching holds: sum(lengths) / sum(longest * batch members)."""
-    _check_lengths(request_lengths, batch_size)
+    batch_size = validate.integer("batch_size", batch_size, low=1)
+    request_lengths = validate.integers("request_lengths", request_lengths, low=1)
     held = useful = 0
     for i in range(0, len(request_lengths), batch_size):
         batch = request_lengths[i:i + batch_size]
@@ -72,13 +61,15 @@ def simulate(request_lengths: Sequence[int], batch_size: int, policy: str = "con
              arrivals: Sequence[int] | None = None, prompt_lens: Sequence[int] | None = None,
              token_budget: int | None = None) -> SimResult:
     """Step-by-step schedule of requests producing request_lengths tokens; arrivals in steps (default all 0)."""
-    _check_lengths(request_lengths, batch_size)
-    if policy not in ("static", "continuous"):
-        raise ValueError(f"policy must be 'static' or 'continuous', got {policy!r}")
+    batch_size = validate.integer("batch_size", batch_size, low=1)
+    request_lengths = validate.integers("request_lengths", request_lengths, low=1)
+    validate.choice("policy", policy, ("static", "continuous"))
     n = len(request_lengths)
-    arrivals = list(arrivals) if arrivals is not None else [0] * n
-    prompt_lens = list(prompt_lens) if prompt_lens is not None else [1] * n
-    budget = token_budget if token_budget is not None else batch_size + max(prompt_lens)
+    arrivals = [0] * n if arrivals is None else validate.integers("arrivals", arrivals, low=0, length=n)
+    prompt_lens = [1] * n if prompt_lens is None else validate.integers("prompt_lens", prompt_lens, low=1, length=n)
+    # a budget below the longest prompt would never admit that request: the simulation would not end
+    budget = validate.integer("token_budget", token_budget, low=max(prompt_lens), allow_none=True)
+    budget = batch_size + max(prompt_lens) if budget is None else budget
     queue = sorted(({"id": i, "prompt_len": prompt_lens[i], "remaining": request_lengths[i]} for i in range(n)),
                    key=lambda r: arrivals[r["id"]])
     first, last, timeline, slots = {}, {}, [], {}
@@ -120,76 +111,9 @@ def simulate(request_lengths: Sequence[int], batch_size: int, policy: str = "con
                      timeline)
 
 
-def transformers_batched_generate(hf_model, prompt_ids: Sequence[list[int]], max_new_tokens: Sequence[int],
-                                  batch_size: int, pad_id: int) -> tuple[list[list[int]], float]:
-    """The baseline a student would write: transformers' padded batched greedy `generate`, batch by batch.
-
-    Prompts are left-padded; each batch runs to its longest request and the extra tokens of
-    shorter ones are cut off. Returns each request's tokens and the wall time in seconds.
-    """
-    import time
-
-    import torch
-    device = next(hf_model.parameters()).device
-    outputs, start = [], time.perf_counter()
-    for i in range(0, len(prompt_ids), batch_size):
-        prompts, news = prompt_ids[i:i + batch_size], max_new_tokens[i:i + batch_size]
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        with torch.no_grad():
-            out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max(news), min_new_tokens=max(news),
-                                    do_sample=False, pad_token_id=pad_id)
-        outputs += [row[width:width + m].tolist() for row, m in zip(out, news)]
-    return outputs, time.perf_counter() - start
-
-
-@dataclass
-class PolicyRun:
-    name: str
-    throughput_tok_s: float
-    wall_s: float
-    token_ids: list[list[int]]
-    stats: object = None                  # EngineStats for our engine, None for transformers
-    e2e_s: list[float] = field(default_factory=list)
-    ttft_s: list[float] = field(default_factory=list)
-
-
-def compare_policies(model, tok, prompts: Sequence[str], lengths: Sequence[int], max_batch_size: int = 8,
-                     hf_model=None, arrival_s: Sequence[float] | None = None) -> dict[str, PolicyRun]:
-    """Serve one workload with continuous and static batching (and transformers if given), in this run."""
-    from .engine import Engine
-    Engine(model, tok, max_batch_size=max_batch_size).generate(prompts[:2], max_new_tokens=4)   # warm-up
-    runs = {}
-    for policy in ("continuous", "static"):
-        engine = Engine(model, tok, scheduler=policy, max_batch_size=max_batch_size)
-        outs = engine.generate(prompts, max_new_tokens=list(lengths), arrival_s=arrival_s, stop_at_eos=False)
-        runs[policy] = PolicyRun(policy, outs.stats.throughput_tok_s, outs.stats.wall_s,
-                                 [o.token_ids for o in outs], outs.stats,
-                                 [o.e2e_s for o in outs], [o.ttft_s for o in outs])
-    if hf_model is not None:
-        ids = [tok.encode(p) for p in prompts]
-        token_ids, wall = transformers_batched_generate(hf_model, ids, lengths, max_batch_size, pad_id=0)
-        runs["transformers"] = PolicyRun("transformers", sum(lengths) / wall, wall, token_ids)
-    return runs
-
-
-DEFAULT_PROMPT = "import os\n\n\ndef walk_files(root):\n    "   # the benchmarks' one prompt
-
-
-def decode_throughput(model, tok, batch_size: int, new_tokens: int = 32, prompt: str = DEFAULT_PROMPT,
-                      repeats: int = 1) -> float:
-    """Decode tokens/s of the engine serving `batch_size` copies of a prompt at once (prefill excluded).
-
-    Only steps in which every row decodes count: the rate at which a full batch makes tokens.
-    """
-    from .engine import Engine
-    best = 0.0
-    for _ in range(repeats):
-        engine = Engine(model, tok, max_batch_size=batch_size, max_model_len=len(tok.encode(prompt)) + new_tokens)
-        outs = engine.generate([prompt] * batch_size, max_new_tokens=new_tokens, stop_at_eos=False)
-        steps = [r for r in outs.stats.timeline
-                 if len(r.rows) == batch_size and all(kind == "decode" for _, _, kind in r.rows)]
-        seconds = sum(r.end_s - r.start_s for r in steps)
-        best = max(best, batch_size * len(steps) / seconds)
-    return best
+def __getattr__(name: str):
+    """`batching.compare_policies` (notebook 03) lives with the benchmarks; imported on first use, not with the package."""
+    if name == "compare_policies":
+        from .bench.batching import compare_policies
+        return compare_policies
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

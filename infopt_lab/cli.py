@@ -40,7 +40,7 @@ def _cmd_fetch(args) -> int:
 
 def _cmd_bench(args) -> int:
     if args.ladder:
-        from .ladder import ladder_command
+        from .bench.ladder import ladder_command
         if args.only:
             print("infopt-lab bench: error: --ladder runs its own rungs; drop --only", file=sys.stderr)
             return 2

@@ -303,7 +303,7 @@ def distillation_explorer(teacher, student, tok, context: str, temperature: floa
 
 def decision_line(rungs: list[dict], scenario: str, ttft_slo_s: float, price_per_hour: float) -> str:
     """The decision guide's answer: the cheapest rung meeting the scenario's constraints, with its numbers."""
-    from .ladder import SCENARIOS, recommend
+    from .bench.decision import SCENARIOS, recommend
     limits = {**SCENARIOS[scenario], "ttft_slo_s": ttft_slo_s}
     try:
         r, cost = recommend(rungs, price_per_hour, **limits)
@@ -312,14 +312,14 @@ def decision_line(rungs: list[dict], scenario: str, ttft_slo_s: float, price_per
     budget = limits["memory_budget_bytes"]
     return (f"{scenario} (TTFT p99 <= {ttft_slo_s:g} s, perplexity within +{limits['max_ppl_delta_pct']:g}%"
             + (f", memory <= {budget / 2 ** 20:.0f} MiB" if budget else "") + f"): **{r['name']}**, "
-            f"{r['tokens_per_s']:.1f} tok/s, TTFT p99 {r['ttft_p99_s']:.2f} s, {r['peak_memory_bytes'] / 2 ** 20:.0f} MiB, "
+            f"{r['throughput_tok_s']:.1f} tok/s, TTFT p99 {r['ttft_p99_s']:.2f} s, {r['peak_memory_bytes'] / 2 ** 20:.0f} MiB, "
             f"perplexity {r['ppl_delta_pct']:+.2f}%, {cost:.2f} per million tokens at {price_per_hour:.2f} per hour")
 
 
 def decision_guide(rungs: list[dict], price_per_hour: float = 0.10) -> W.VBox:
-    """Scenario, TTFT SLO and price -> the cheapest measured rung that meets them (`ladder.recommend`)."""
+    """Scenario, TTFT SLO and price -> the cheapest measured rung that meets them (`bench.decision.recommend`)."""
     from IPython.display import Markdown, display
-    from .ladder import SCENARIOS
+    from .bench.decision import SCENARIOS
     scenario = W.Dropdown(options=list(SCENARIOS), description="scenario")
     slo = W.FloatLogSlider(value=SCENARIOS[scenario.value]["ttft_slo_s"], base=10, min=-2, max=3, step=0.1,
                            description="TTFT p99 SLO (s)", continuous_update=False, style={"description_width": "initial"})

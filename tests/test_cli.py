@@ -31,7 +31,7 @@ def test_bench_precision_and_batch_size_rungs_report_every_variant(tiny_dir):
     assert r.values["fp32"]["exact_match"] == 1.0 and r.values["fp32"]["pass_cost"][1] == 1.0
     assert "int8 path" in r.render()
     b = bench_batch_size(str(tiny_dir), batch_sizes=(1, 2), new_tokens=4)
-    assert set(b.values["tokens_per_s"]) == {1, 2} and b.values["scaling"][1] == 1.0
+    assert set(b.values["throughput_tok_s"]) == {1, 2} and b.values["scaling"][1] == 1.0
 
 
 def test_bench_speculative_reports_each_precision_against_the_same_target(tiny_dir):

@@ -1,7 +1,7 @@
 """The engine rung of the bench: its values, its crossover rule; small sizes (speed is the bench's job)."""
 import pytest
 
-from infopt_lab.engine_bench import SpecPoint, bench_engine, crossover_batch
+from infopt_lab.bench.engine import SpecPoint, bench_engine, crossover_batch
 
 
 def point(b: int, speedup: float) -> SpecPoint:

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from infopt_lab.ladder import RUNG_NAMES, cost_per_million_tokens, gpu_estimate, ladder_command
+from infopt_lab.bench.decision import cost_per_million_tokens, gpu_estimate
+from infopt_lab.bench.ladder import RUNG_NAMES, ladder_command
 
 TINY = dict(sessions=2, turns=2, system_tokens=32, new_tokens=4, max_batch_size=2, combined_batch_size=2, k=2,
             ppl_tokens=256)
@@ -19,7 +20,7 @@ def ladder(tmp_path_factory):
 def test_every_rung_serves_the_workload_and_scheduling_keeps_the_tokens(ladder):
     rungs, _ = ladder
     assert [r.name for r in rungs] == list(RUNG_NAMES)
-    assert all(len(r.outputs) == 4 and r.tokens_per_s > 0 and r.peak_memory_bytes > 0 for r in rungs)
+    assert all(len(r.outputs) == 4 and r.throughput_tok_s > 0 and r.peak_memory_bytes > 0 for r in rungs)
     ours = rungs[1].outputs                       # our decoding; batching, speculation and caching only schedule
     assert rungs[2].outputs == ours and rungs[4].outputs == ours and rungs[5].outputs == ours
     assert rungs[1].ppl_delta_pct == rungs[5].ppl_delta_pct == 0.0
@@ -31,7 +32,7 @@ def test_the_json_has_the_rungs_in_order_and_a_plot_beside_it(ladder):
     _, path = ladder
     data = json.loads(path.read_text())
     assert [r["name"] for r in data["rungs"]] == list(RUNG_NAMES)
-    assert set(data["rungs"][0]) == {"name", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_s",
+    assert set(data["rungs"][0]) == {"name", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_s",
                                      "peak_memory_bytes", "ppl_delta_pct", "exact_match", "settings"}
     assert "cascade attention" in data["rungs"][-1]["settings"] and "prompt lookup" in data["rungs"][4]["settings"]
     assert path.with_suffix(".png").stat().st_size > 0 and data["gpu_estimates"]

@@ -1,11 +1,12 @@
 """Checks for exercises/07_putting_it_together.ipynb: what a rung costs, whether it meets the targets, the cheapest.
 
 Conventions the notebook states and these checks hold the student to (a rung is a dict with the keys of
-`Rung.as_json()`: name, tokens_per_s, ttft_p50_s, ttft_p99_s, tpot_s, peak_memory_bytes, ppl_delta_pct,
+`Rung.as_json()`: name, throughput_tok_s, ttft_p50_s, ttft_p99_s, tpot_s, peak_memory_bytes, ppl_delta_pct,
 exact_match):
 
-- `cost_per_million_tokens(tokens_per_s, price_per_hour)` = price_per_hour / (tokens_per_s * 3600) * 1e6, what
-  `infopt_lab.ladder.cost_per_million_tokens` computes; ValueError when tokens_per_s <= 0 or price_per_hour < 0.
+- `cost_per_million_tokens(throughput_tok_s, price_per_hour)` = price_per_hour / (throughput_tok_s * 3600) * 1e6,
+  what `infopt_lab.bench.decision.cost_per_million_tokens` computes; ValueError when throughput_tok_s <= 0 or
+  price_per_hour < 0.
 - `meets(rung, ttft_slo_s, max_ppl_delta_pct, min_exact_match=0.0)` -> bool: ttft_p99_s <= ttft_slo_s,
   ppl_delta_pct <= max_ppl_delta_pct and exact_match >= min_exact_match; a rung exactly at a target meets it.
 - `cheapest(rungs, price_per_hour, ttft_slo_s, max_ppl_delta_pct, min_exact_match=0.0, memory_budget_bytes=None)`
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 
-from ...ladder import cost_per_million_tokens, misses
+from ...bench.decision import cost_per_million_tokens, misses
 from ..protocol import Raised
 from . import CheckFailed, check, expect_close, expect_raises, short
 
@@ -32,8 +33,8 @@ def random_rungs(rng: random.Random, n: int) -> list[dict]:
     rungs = []
     for i in range(n):
         p50 = round(rng.uniform(0.02, 2.0), 3)
-        tokens_per_s = rungs[-1]["tokens_per_s"] if rungs and rng.random() < 0.2 else round(rng.uniform(5, 2000), 1)
-        rungs.append(dict(name=f"rung {i}", tokens_per_s=tokens_per_s, ttft_p50_s=p50,
+        throughput_tok_s = rungs[-1]["throughput_tok_s"] if rungs and rng.random() < 0.2 else round(rng.uniform(5, 2000), 1)
+        rungs.append(dict(name=f"rung {i}", throughput_tok_s=throughput_tok_s, ttft_p50_s=p50,
                           ttft_p99_s=round(p50 * rng.uniform(1.2, 8.0), 3), tpot_s=round(rng.uniform(0.005, 0.08), 4),
                           peak_memory_bytes=rng.randrange(GiB // 4, 80 * GiB),
                           ppl_delta_pct=0.0 if rng.random() < 0.4 else round(rng.uniform(-0.3, 6.0), 2),
@@ -63,7 +64,7 @@ def qualifies(rung: dict, targets: tuple) -> bool:
 
 def reference_cheapest(rungs: list[dict], price_per_hour: float, targets: tuple) -> int | None:
     """The index of the cheapest qualifying rung (the first of equal costs), or None."""
-    costs = [(cost_per_million_tokens(r["tokens_per_s"], price_per_hour), i) for i, r in enumerate(rungs)
+    costs = [(cost_per_million_tokens(r["throughput_tok_s"], price_per_hour), i) for i, r in enumerate(rungs)
              if qualifies(r, targets)]
     return min(costs)[1] if costs else None
 
@@ -83,7 +84,7 @@ def expect_choice(got, rungs: list[dict], price_per_hour: float, targets: tuple)
         return
     if got not in rungs:
         raise CheckFailed(f"{what} returned {short(got)}, expected the dict of {want['name']!r} as given")
-    cost = {r["name"]: cost_per_million_tokens(r["tokens_per_s"], price_per_hour) for r in (got, want)}
+    cost = {r["name"]: cost_per_million_tokens(r["throughput_tok_s"], price_per_hour) for r in (got, want)}
     if not qualifies(got, targets):
         why = f"which misses its targets ({'; '.join(misses(got, *targets))})"
     elif cost[got["name"]] > cost[want["name"]]:
@@ -101,12 +102,12 @@ def cost_hidden(sub):
     rng = random.Random(70)
     cases = [(round(rng.uniform(1, 5000), 2), round(rng.uniform(0.1, 40), 2)) for _ in range(8)]
     cases += [(1.0, 1.0), (0.5, 3.0), (12_000.0, 98.32), (250.0, 0.0)]
-    for (tokens_per_s, price_per_hour), got in zip(cases, sub.call_many("cost_per_million_tokens", cases)):
-        expect_close(got, cost_per_million_tokens(tokens_per_s, price_per_hour),
-                     f"cost_per_million_tokens({tokens_per_s}, {price_per_hour})", rel=1e-9, abs_tol=1e-12)
+    for (throughput_tok_s, price_per_hour), got in zip(cases, sub.call_many("cost_per_million_tokens", cases)):
+        expect_close(got, cost_per_million_tokens(throughput_tok_s, price_per_hour),
+                     f"cost_per_million_tokens({throughput_tok_s}, {price_per_hour})", rel=1e-9, abs_tol=1e-12)
 
 
-@check("cost_per_million_tokens rejects tokens_per_s <= 0 and price_per_hour < 0 (ValueError)", points=1)
+@check("cost_per_million_tokens rejects throughput_tok_s <= 0 and price_per_hour < 0 (ValueError)", points=1)
 def cost_rejects(sub):
     """No throughput, a negative throughput, a negative price."""
     for args in [(0.0, 2.0), (0, 1), (-12.5, 2.0), (100.0, -0.01)]:
@@ -170,7 +171,7 @@ def constructed_rungs() -> list[dict]:
     rows = [("slow", 40.0, 9.0, 14.6, 0.0, 1.0), ("fast", 900.0, 0.5, 30.0, 1.5, 0.7),
             ("twin a", 500.0, 0.4, 20.0, 0.0, 0.95), ("twin b", 500.0, 0.3, 12.0, 0.0, 0.98),
             ("small", 300.0, 0.6, 8.0, 0.8, 0.9), ("quick start", 200.0, 0.08, 22.0, 0.0, 0.99)]
-    return [dict(name=name, tokens_per_s=tps, ttft_p50_s=p99 / 4, ttft_p99_s=p99, tpot_s=0.02,
+    return [dict(name=name, throughput_tok_s=tps, ttft_p50_s=p99 / 4, ttft_p99_s=p99, tpot_s=0.02,
                  peak_memory_bytes=round(gib * GiB), ppl_delta_pct=ppl, exact_match=match)
             for name, tps, p99, gib, ppl, match in rows]
 

@@ -1,0 +1,66 @@
+"""The optimization ladder behind `infopt-lab bench`: each rung measured side by side.
+
+Every rung runs its contenders in one process on the same weights, prompt and
+length, and reports ratios, so the figures mean the same on any machine.
+One module per rung family: decode (decode, kv, precision, batch_size), quant, batching,
+attention, speculative, engine; `baselines` holds transformers' loader and runners, `result`
+the two result types (a rung's `Result`, a measured `Run`), and `ladder` the whole ladder, priced.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..timing import matvec_bandwidth_gbs  # noqa: F401  (notebooks 00 to 02 call it as bench.matvec_bandwidth_gbs)
+from .attention import ATTENTION_LENGTHS, bench_attention
+from .batching import bench_batching, compare_policies
+from .decode import (DEFAULT_PROMPT, KV_PROMPT_TEXT, PASS_SIZES, KVComparison, bench_batch_size, bench_decode,
+                     bench_kv, bench_precision, bf16_decode_tokens_per_s, decode_throughput, decode_tokens_per_s,
+                     kv_comparison, kv_prompt_ids, precision_variants, timed_greedy)
+from .engine import bench_engine
+from .quant import bench_quant
+from .result import Result, Run, describe_model
+from .speculative import bench_speculative
+
+LADDER: dict[str, Callable[..., Result]] = {
+    "decode": bench_decode,
+    "kv": bench_kv,
+    "quant": bench_quant,
+    "batching": bench_batching,
+    "batch_size": bench_batch_size,
+    "precision": bench_precision,
+    "attention": bench_attention,
+    "speculative": bench_speculative,
+    "engine": bench_engine,
+}
+
+# the rungs `infopt-lab bench --model smollm2-135m` runs by default: the real model's speed lessons
+REAL_MODEL_RUNGS = ("decode", "precision", "batch_size")
+
+
+def run(only: list[str] | None = None, **kwargs) -> list[Result]:
+    """Run the named rungs (by default all of them, or REAL_MODEL_RUNGS on the real model) and print each."""
+    from ..device import describe
+    from ..hub import REMOTE
+    real = kwargs.get("model_name") in REMOTE
+    names = only or (list(REAL_MODEL_RUNGS) if real else list(LADDER))
+    unknown = [n for n in names if n not in LADDER]
+    if unknown:
+        raise ValueError(f"unknown benchmark {unknown}; choose from {list(LADDER)}")
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in describe().items()), flush=True)
+    results = []
+    for name in names:
+        result = LADDER[name](**kwargs)
+        print(result.render(), flush=True)
+        results.append(result)
+    return results
+
+
+__all__ = [
+    "LADDER", "REAL_MODEL_RUNGS", "run", "Result", "Run", "describe_model",
+    "bench_decode", "bench_kv", "bench_quant", "bench_batching", "bench_batch_size", "bench_precision",
+    "bench_attention", "bench_speculative", "bench_engine",
+    # what notebooks and tests call as bench.<name>
+    "ATTENTION_LENGTHS", "DEFAULT_PROMPT", "KV_PROMPT_TEXT", "PASS_SIZES", "KVComparison", "compare_policies",
+    "bf16_decode_tokens_per_s", "decode_throughput", "decode_tokens_per_s", "kv_comparison", "kv_prompt_ids",
+    "matvec_bandwidth_gbs", "precision_variants", "timed_greedy",
+]
