@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+INT4_KERNEL_GROUPS = (256, 128, 64, 32)   # the group sizes aten._weight_int4pack_mm_for_cpu takes
+
 
 # -- int4 packing: two 4-bit values per byte -------------------------------------------------------
 def pack_int4(q: Tensor) -> Tensor:
@@ -69,3 +71,28 @@ def int4_kernel_scales_and_zeros(scales: Tensor, zeros: Tensor, group_size: int,
     s = scales.float().repeat_interleave(group_size // kernel_group, dim=1)      # (N, K/kernel_group)
     z = zeros.float().repeat_interleave(group_size // kernel_group, dim=1)
     return torch.stack((s, (8.0 - z) * s), dim=-1).transpose(0, 1).contiguous().to(dtype)   # (K/kg, N, 2)
+
+
+def int4_kernel_group(group_size: int) -> int | None:
+    """The group size the CPU int4 kernel runs a layer of ours with: the largest of its sizes dividing ours, or None."""
+    return next((g for g in INT4_KERNEL_GROUPS if group_size % g == 0), None)
+
+
+def pack_int4_for_cpu_kernel(weight_q: Tensor, scales: Tensor, zeros: Tensor,
+                             in_features: int) -> tuple[Tensor, Tensor, int]:
+    """Our packed int4 layer as aten._weight_int4pack_mm_for_cpu's operands: (packed weight, scales and offsets, group).
+
+    The integers are the same; the kernel's own packing (a tiled order of nibbles) is PyTorch's business, so it is
+    done by PyTorch's converter. Raises ValueError where the kernel cannot take the layer.
+    """
+    N, K = weight_q.shape[0], in_features
+    group_size = K // scales.shape[-1]
+    kernel_group = int4_kernel_group(group_size)
+    if kernel_group is None:
+        raise ValueError(f"group size {group_size} is not a multiple of one the kernel takes {INT4_KERNEL_GROUPS}")
+    if N % 16:
+        raise ValueError(f"{N} output features are not a multiple of 16")
+    q = unpack_int4(weight_q.cpu(), K).to(torch.int32)                               # (N, K) in 0..15
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)                 # (N, K/2) uint8, tiled
+    sz = int4_kernel_scales_and_zeros(scales.cpu(), zeros.cpu(), group_size, kernel_group)   # (K/kg, N, 2) bf16
+    return packed, sz, kernel_group

@@ -10,44 +10,26 @@ How the result is stored and read back (int4 packing, dequantize) is `quant_form
 from __future__ import annotations
 
 import copy
-import functools
-import platform
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .quant_format import (dequantize, int4_kernel_scales_and_zeros, pack_int4,   # the stored format, shared
-                           unpack_int4)                                            # with the int4 kernels
+from . import validate
+from .quant_format import dequantize, pack_int4, unpack_int4   # the stored format, shared with the int4 kernels
+from .quant_format import (INT4_KERNEL_GROUPS, int4_kernel_group,  # noqa: F401  (re-exported: their old home)
+                           pack_int4_for_cpu_kernel)
+from .quant_kernels import DEQUANT_MATMUL, INT4_KERNEL, INT8_KERNEL, KernelChoice, choose_kernels, kernel_choice
+from .quant_kernels import (INT4_KERNEL_MAX_ROWS, INT8_GEMM_MIN_ROWS, INT8_GEMM_MIN_ROWS_TILED,  # noqa: F401
+                            INT8_GEMM_TILE, INT8_KERNEL_MAX_ROWS, TRITON_INT4, cpu_kernels_fast,  # (re-exported:
+                            int4_kernel_works, int8_kernel_works)                                 # their old home)
 
 SCHEMES = ("int8", "int4")
-INT8_KERNEL = "aten._weight_int8pack_mm"            # int8 weights x bf16 activations on a CPU (x's dtype on CUDA)
-INT4_KERNEL = "aten._weight_int4pack_mm_for_cpu"    # int4 weights x bf16 activations on a CPU, packed at quantization
-DEQUANT_MATMUL = "dequantize+matmul"                # the fallback: a float copy of W, then F.linear
-TRITON_INT4 = "triton int4 dequantize-matmul"
-INT4_KERNEL_GROUPS = (256, 128, 64, 32)             # the group sizes aten._weight_int4pack_mm_for_cpu takes
-# Up to how many rows (tokens) a call runs the weight-only kernel; more rows dequantize and run one float matmul.
-# Dequantizing pays a fixed cost per call (a float copy of the whole weight), so the kernels win every decode
-# and verify pass and short prefills; for long prefills the float matmul catches up and computes in the model's
-# own dtype (no bf16 rounding of the activations). The limits are where a sweep over rows on a 2-core x86 CPU
-# found the two paths even; `timing.time_cached_passes` times a model's passes on either side of them.
-INT8_KERNEL_MAX_ROWS = 256
-# The CPU int8 kernel walks the whole weight once per row. From INT8_GEMM_MIN_ROWS rows up, bf16 GEMMs over
-# the integers (exact in bf16), INT8_GEMM_TILE output rows at a time so each tile's bf16 copy stays in cache,
-# with the scales applied to the output, compute the same product faster. A layer of more than one tile (a
-# vocabulary head) wins from INT8_GEMM_MIN_ROWS_TILED rows. Both are where a sweep over rows on a 2-core x86
-# CPU found the two paths even, as for the limits above.
-INT8_GEMM_MIN_ROWS = 17
-INT8_GEMM_MIN_ROWS_TILED = 8
-INT8_GEMM_TILE = 4096
-INT4_KERNEL_MAX_ROWS = 512
 
 
 # -- checks ----------------------------------------------------------------------------------------
 def check_bits(bits: int) -> None:
     """Raise ValueError unless bits is 4 or 8."""
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    validate.choice("bits", bits, (4, 8))
 
 
 def check_float(w: Tensor) -> None:
@@ -114,96 +96,26 @@ def quantization_error(w: Tensor, w_hat: Tensor) -> dict[str, float]:
     return {"max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(), "rel_rms": rel.item()}
 
 
-# -- PyTorch's weight-only kernels -----------------------------------------------------------------
-def cpu_kernels_fast() -> bool:
-    """Whether this CPU runs the vectorized code of the weight-only kernels (AVX2/AVX-512 on x86, NEON on Arm).
-
-    Elsewhere they fall back to scalar loops, slower than dequantize+matmul.
-    """
-    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")()
-    return capability.startswith("AVX") or platform.machine().lower() in ("arm64", "aarch64")
-
-
-@functools.cache
-def int8_kernel_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether aten._weight_int8pack_mm runs and is correct for activations of this device and dtype."""
-    op = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
-    if op is None:
-        return False
-    x = torch.randn(2, 64, device=device_type).to(dtype)
-    wq = torch.randint(-127, 128, (32, 64), dtype=torch.int8, device=device_type)
-    s = torch.rand(32, device=device_type).to(dtype)
-    try:
-        y = op(x, wq, s)
-    except (RuntimeError, NotImplementedError):
-        return False
-    ref = x.float() @ (wq.float() * s.float()[:, None]).T
-    return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()))
-
-
-def int4_kernel_group(group_size: int) -> int | None:
-    """The group size the CPU int4 kernel runs a layer of ours with: the largest of its sizes dividing ours, or None."""
-    return next((g for g in INT4_KERNEL_GROUPS if group_size % g == 0), None)
-
-
-def pack_int4_for_cpu_kernel(weight_q: Tensor, scales: Tensor, zeros: Tensor,
-                             in_features: int) -> tuple[Tensor, Tensor, int]:
-    """Our packed int4 layer as aten._weight_int4pack_mm_for_cpu's operands: (packed weight, scales and offsets, group).
-
-    The integers are the same; the kernel's own packing (a tiled order of nibbles) is PyTorch's business, so it is
-    done by PyTorch's converter. Raises ValueError where the kernel cannot take the layer.
-    """
-    N, K = weight_q.shape[0], in_features
-    group_size = K // scales.shape[-1]
-    kernel_group = int4_kernel_group(group_size)
-    if kernel_group is None:
-        raise ValueError(f"group size {group_size} is not a multiple of one the kernel takes {INT4_KERNEL_GROUPS}")
-    if N % 16:
-        raise ValueError(f"{N} output features are not a multiple of 16")
-    q = unpack_int4(weight_q.cpu(), K).to(torch.int32)                               # (N, K) in 0..15
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)                 # (N, K/2) uint8, tiled
-    sz = int4_kernel_scales_and_zeros(scales.cpu(), zeros.cpu(), group_size, kernel_group)   # (K/kg, N, 2) bf16
-    return packed, sz, kernel_group
-
-
-@functools.cache
-def int4_kernel_works() -> bool:
-    """Whether aten._weight_int4pack_mm_for_cpu (and its converter) exist, run and agree with our dequantize on a CPU."""
-    if not all(hasattr(torch.ops.aten, op) for op in ("_weight_int4pack_mm_for_cpu",
-                                                      "_convert_weight_to_int4pack_for_cpu")):
-        return False
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(32, 128, generator=g)
-    q, s, z = quantize_asymmetric(w, 4, 64)
-    x = torch.randn(3, 128, generator=g).to(torch.bfloat16)
-    try:
-        packed, sz, kg = pack_int4_for_cpu_kernel(pack_int4(q), s, z, 128)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kg, sz)
-    except (RuntimeError, NotImplementedError, ValueError):
-        return False
-    ref = x.float() @ dequantize(q, s, z).T
-    return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()))
-
-
 class QuantLinear(nn.Module):
     """A linear layer whose weight is stored as integers + scales (+ zero points) and dequantized to compute.
 
     `path` names how forward computes: a weight-only kernel (INT8_KERNEL, INT4_KERNEL, TRITON_INT4) or
     DEQUANT_MATMUL, with `fallback_reason` saying why no kernel. On a CPU the kernels compute in bf16
-    (`compute_dtype`): the input is rounded to bf16 and the output cast back to its dtype. The state_dict is
-    the course's format (`quant_format.py`) on every path; the CPU int4 kernel's own packing of the same
-    integers is a cache beside it, rebuilt when weight_q, scales or zeros are replaced or changed in place.
+    (`compute_dtype`): the input is rounded to bf16 and the output cast back to its dtype. Which kernel runs
+    is `kernels` (quant_kernels.KernelChoice), chosen once for the device and dtype the layer is on and
+    again when it moves (`.to`, `.cuda`, `.half`). The state_dict is the course's format (`quant_format.py`)
+    on every path; what a kernel derives from it (the CPU int4 kernel's own packing of the same integers)
+    is a cache beside it, rebuilt when weight_q, scales or zeros are replaced or changed in place.
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: str, group_size: int | None,
                  bias: Tensor | None, dtype: torch.dtype):
         super().__init__()
-        if scheme not in SCHEMES:
-            raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
+        validate.choice("scheme", scheme, SCHEMES)
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.group_size, self.dtype = scheme, group_size, dtype
-        self.path, self.compute_dtype, self.fallback_reason = DEQUANT_MATMUL, dtype, None
-        self._kernel_cache = None                                 # (sources and their versions, kernel operands)
+        device = bias.device if bias is not None else "cpu"
+        self.kernels: KernelChoice = kernel_choice(self, DEQUANT_MATMUL, device, dtype)   # until choose_path
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -228,76 +140,41 @@ class QuantLinear(nn.Module):
         return m
 
     def choose_path(self, device: torch.device, dtype: torch.dtype) -> str:
-        """Pick the fastest correct path for this device and dtype, and record it in `self.path`.
-
-        The reason for falling back to DEQUANT_MATMUL, if it does, goes in `self.fallback_reason`.
-        """
-        from .device import HAS_TRITON
-        device = torch.device(device)
-        path, compute, reason = DEQUANT_MATMUL, dtype, None
-        if self.scheme == "int8":
-            if device.type == "cpu":                              # fp32 activations: far slower than F.linear;
-                if not int8_kernel_works("cpu", torch.bfloat16):  # bf16: faster than it
-                    reason = f"{INT8_KERNEL} does not run correctly with bf16 activations (torch {torch.__version__})"
-                elif not cpu_kernels_fast():
-                    reason = "this CPU has no vectorized code for the int8 kernel"
-                else:
-                    path, compute = INT8_KERNEL, torch.bfloat16
-            elif int8_kernel_works(device.type, dtype):
-                path = INT8_KERNEL
-            else:
-                reason = f"{INT8_KERNEL} does not run correctly for {dtype} on {device.type}"
-        elif device.type == "cuda":
-            if HAS_TRITON:
-                path = TRITON_INT4
-            else:
-                reason = "Triton is not installed"
-        elif device.type == "cpu":
-            if not int4_kernel_works():
-                reason = f"torch {torch.__version__} has no working {INT4_KERNEL}"
-            elif not cpu_kernels_fast():
-                reason = "this CPU has no vectorized code for the int4 kernel"
-            else:
-                try:
-                    self._kernel_cache = None
-                    self._kernel_operands()                       # pack now: it also says whether the kernel can
-                    path, compute = INT4_KERNEL, torch.bfloat16   # take this layer's shape and group size
-                except ValueError as e:
-                    reason = f"{INT4_KERNEL} cannot take this layer: {e}"
-        else:
-            reason = f"no weight-only int4 kernel for {device.type}"
-        if path != INT4_KERNEL:
-            self._kernel_cache = None                             # no second copy of the weights when unused
-        self.path, self.compute_dtype, self.fallback_reason = path, compute, reason
+        """Pick the fastest correct path for this device and dtype (quant_kernels.choose_kernels); return its name."""
+        self.kernels = choose_kernels(self, device, dtype)
         return self.path
 
-    # -- the kernels' operands, derived from the stored format and cached -------------------------
-    def _kernel_sources(self) -> tuple:
-        """The stored tensors the kernel operands are made from, with their version counters."""
-        b = self._buffers
-        tensors = (b["weight_q"], b["scales"], b.get("zeros"))
-        try:
-            versions = tuple(t._version if t is not None else 0 for t in tensors)
-        except RuntimeError:                                      # inference tensors keep no version counter
-            versions = None
-        return tensors, versions
+    @property
+    def path(self) -> str:
+        """The path forward computes with: a kernel's name, or DEQUANT_MATMUL."""
+        return self.kernels.path
 
-    def _kernel_operands(self):
-        """bf16 scales for the int8 kernel; (packed weight, scales and offsets, group) for the CPU int4 kernel."""
-        tensors, versions = self._kernel_sources()
-        cache = self._kernel_cache
-        if cache is not None and cache[1] == versions and all(a is b for a, b in zip(cache[0], tensors)):
-            return cache[2]
-        if self.scheme == "int8":
-            operands = self.scales.to(self.compute_dtype)
-        else:
-            operands = pack_int4_for_cpu_kernel(self.weight_q, self.scales, self.zeros, self.in_features)
-        self._kernel_cache = (tensors, versions, operands)
-        return operands
+    @path.setter
+    def path(self, name: str) -> None:
+        # forces a path without probing it (tests compare two paths on one layer)
+        self.kernels = kernel_choice(self, name, self.weight_q.device, self.dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype on the kernel path: bf16 for the CPU kernels, else the layer's."""
+        return self.kernels.compute_dtype
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the layer has no kernel here, or None."""
+        return self.kernels.fallback_reason
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)                               # .to / .cuda / .half: the buffers move or cast
+        if "weight_q" in self._buffers:                           # (a layer QuantFusion is still building: later)
+            self.dtype = self.scales.dtype                        # the float dtype follows the scales
+            if (self.weight_q.device, self.dtype) != (self.kernels.device, self.kernels.dtype):
+                self.choose_path(self.weight_q.device, self.dtype)
+        return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)          # copies into the buffers in place
-        self._kernel_cache = None
+        self.kernels.forget()
 
     def dequantized_weight(self) -> Tensor:
         """The float weight [N, K] this layer computes with (the kernels: up to their bf16 rounding)."""
@@ -307,34 +184,8 @@ class QuantLinear(nn.Module):
         return dequantize(q, self.scales, self.zeros, dtype=self.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        # x: [..., K] -> [..., N]
-        rows = x.numel() // self.in_features
-        if self.path == INT8_KERNEL and rows <= INT8_KERNEL_MAX_ROWS:
-            x2 = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()   # (rows, K)
-            if x.device.type == "cpu" and rows >= (INT8_GEMM_MIN_ROWS if self.out_features <= INT8_GEMM_TILE
-                                                    else INT8_GEMM_MIN_ROWS_TILED):
-                y = self._int8_gemm(x2)
-            else:
-                y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_q, self._kernel_operands())
-        elif self.path == INT4_KERNEL and rows <= INT4_KERNEL_MAX_ROWS and x.device.type == "cpu":
-            packed, scales_and_zeros, group = self._kernel_operands()
-            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()       # (rows, K)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group, scales_and_zeros)
-        elif self.path == TRITON_INT4:
-            from .kernels.int4_matmul import int4_matmul   # here, not at the top: it imports Triton
-            y = int4_matmul(x.reshape(-1, self.in_features), self.weight_q, self.scales, self.zeros)
-        else:
-            return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y + self.bias if self.bias is not None else y
-
-    def _int8_gemm(self, x2: Tensor) -> Tensor:
-        """x2 [rows, K] (compute dtype) @ the int8 weight, as tiled GEMMs over its integers; scales after."""
-        y = x2.new_empty(x2.shape[0], self.out_features)                                # (rows, N)
-        for n in range(0, self.out_features, INT8_GEMM_TILE):
-            tile = self.weight_q[n:n + INT8_GEMM_TILE].to(self.compute_dtype)           # (tile, K), exact
-            torch.matmul(x2, tile.t(), out=y[:, n:n + INT8_GEMM_TILE])
-        return y.mul_(self._kernel_operands())
+        # x: [..., K] -> [..., N], by the path that serves this many rows
+        return self.kernels.pick(x.numel() // self.in_features).forward(x, self)
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.scheme == "int4" else ""
@@ -367,7 +218,7 @@ class QuantFusion:
         for layer, n in zip(layers, self.sizes):
             for name in present:
                 layer._buffers[name] = self.layer._buffers[name][start:start + n]
-            layer._kernel_cache = None                    # the fused layer's operands serve them all
+            layer.kernels.forget()                        # the fused layer's operands serve them all
             start += n
 
     def holds(self, layers: tuple[nn.Module, ...]) -> bool:
@@ -376,7 +227,8 @@ class QuantFusion:
         base = self.layer.weight_q.data_ptr()
         for layer, n in zip(layers, self.sizes):
             if type(layer) is not QuantLinear or layer.weight_q.data_ptr() != base + start * step \
-                    or layer.path != self.layer.path or layer._forward_hooks or layer._forward_pre_hooks:
+                    or layer.path != self.layer.path or layer.dtype != self.layer.dtype \
+                    or layer._forward_hooks or layer._forward_pre_hooks:
                 return False
             start += n
         return True
@@ -402,8 +254,7 @@ def fuse_quantized(model: nn.Module) -> nn.Module:
 
 def quantize_linear(linear: nn.Linear, scheme: str, group_size: int | None = None) -> QuantLinear:
     """A QuantLinear from an nn.Linear: "int8" (per-channel) or "int4" (group-wise, group_size | in_features)."""
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"quantize_linear takes an nn.Linear, got {type(linear).__name__}")
+    validate.instance("linear", linear, nn.Linear, "an nn.Linear (quantize_linear quantizes one layer)")
     return QuantLinear.from_linear(linear, scheme, group_size)
 
 
@@ -419,15 +270,11 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
     `head_scheme` gives the output head its own scheme (None: the same as the rest), as GGUF files often
     keep the embedding and head at 8 bits under 4-bit layers; an int4 head uses `group_size` too.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch nn.Module (e.g. from lab.load_model), got {type(model).__name__}")
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
+    validate.instance("model", model, nn.Module, "a torch nn.Module (e.g. from lab.load_model)")
+    validate.choice("scheme", scheme, SCHEMES)
+    validate.choice("head_scheme", head_scheme, (*SCHEMES, None))     # None: the same as scheme
     head_scheme = scheme if head_scheme is None else head_scheme
-    if head_scheme not in SCHEMES:
-        raise ValueError(f"head_scheme must be one of {list(SCHEMES)} or None (same as scheme), got {head_scheme!r}")
-    if not isinstance(quantize_tied_head, bool):
-        raise TypeError(f"quantize_tied_head must be True or False, got {quantize_tied_head!r}")
+    validate.boolean("quantize_tied_head", quantize_tied_head)
     done = sorted({m.scheme for m in model.modules() if isinstance(m, QuantLinear)})
     if done:
         raise ValueError(f"model is already quantized ({', '.join(done)}); quantize the float model instead "

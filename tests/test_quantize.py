@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import infopt_lab as lab
-from infopt_lab import gptq, quality, quantize
+from infopt_lab import gptq, quality, quant_kernels, quantize
 from infopt_lab.kv_cache import KVCache
 from infopt_lab.kv_quant import QuantizedKVCache
 from infopt_lab.quantize import (DEQUANT_MATMUL, INT4_KERNEL, INT8_KERNEL, cpu_kernels_fast, int4_kernel_works,
@@ -102,9 +102,9 @@ def test_scales_and_zeros_are_the_ranges_of_their_groups(w):
 
 # -- bad input --------------------------------------------------------------------------------------
 def test_bad_inputs_say_what_is_allowed(w):
-    with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
+    with pytest.raises(ValueError, match=r"bits must be one of \(4, 8\), got 3"):
         lab.quantize_symmetric(w, 3)
-    with pytest.raises(ValueError, match="bits must be 4 or 8, got 2"):
+    with pytest.raises(ValueError, match=r"bits must be one of \(4, 8\), got 2"):
         lab.quantize_asymmetric(w, 2)
     with pytest.raises(ValueError, match="group_size must divide the 256 input features, got 48"):
         lab.quantize_asymmetric(w, 4, 48)
@@ -186,7 +186,6 @@ def test_kernel_paths_equal_the_dequantized_reference_up_to_bf16(scheme, group_s
 
 @pytest.mark.parametrize("out_features", [48, 4096 + 40], ids=["one-tile", "tiled"])
 def test_int8_many_rows_take_tiled_gemms_that_equal_the_kernel_up_to_bf16(out_features, monkeypatch):
-    import infopt_lab.quantize as quantize
     if not KERNELS_HERE["int8"]:
         pytest.skip("no working CPU int8 kernel here")
     g = torch.Generator().manual_seed(out_features)
@@ -194,16 +193,20 @@ def test_int8_many_rows_take_tiled_gemms_that_equal_the_kernel_up_to_bf16(out_fe
     with torch.no_grad():
         linear.weight.copy_(0.02 * torch.randn(out_features, 64, generator=g))
     ql = lab.quantize_linear(linear, "int8")
-    calls, gemm = [], quantize.QuantLinear._int8_gemm
-    monkeypatch.setattr(quantize.QuantLinear, "_int8_gemm", lambda self, x2: calls.append(len(x2)) or gemm(self, x2))
-    x = torch.randn(40, 64, generator=g)                             # a prefill: past both thresholds
-    kernel = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), ql.weight_q, ql.scales.bfloat16()).float() + ql.bias
-    assert _rel(ql(x), kernel) < 5e-3 and calls == [40]
+    calls, gemm = [], quant_kernels.Int8TiledGemm.matmul
+    monkeypatch.setattr(quant_kernels.Int8TiledGemm, "matmul",
+                        lambda self, x2, layer: calls.append(len(x2)) or gemm(self, x2, layer))
     few = quantize.INT8_GEMM_MIN_ROWS_TILED if out_features > quantize.INT8_GEMM_TILE else quantize.INT8_GEMM_MIN_ROWS
+    if few > quantize.INT8_KERNEL_MAX_ROWS:
+        pytest.skip(f"on this CPU the GEMMs never win ({quant_kernels.cpu_thresholds().source})")
+    many = max(40, few)                                              # a prefill: past both thresholds
+    x = torch.randn(many, 64, generator=g)
+    kernel = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), ql.weight_q, ql.scales.bfloat16()).float() + ql.bias
+    assert _rel(ql(x), kernel) < 5e-3 and calls == [many]
     ql(x[:few - 1])                                                  # fewer rows: the kernel
-    assert calls == [40]
+    assert calls == [many]
     ql(x[:few])
-    assert calls == [40, few]
+    assert calls == [many, few]
 
 
 @needs_int4_kernel
@@ -255,17 +258,17 @@ def test_int4_kernel_follows_replaced_and_edited_weights():
 
 
 def test_fallback_is_named_when_the_kernels_are_unavailable(monkeypatch):
-    monkeypatch.setattr(quantize, "int4_kernel_works", lambda: False)          # e.g. a torch without the ops
-    monkeypatch.setattr(quantize, "int8_kernel_works", lambda device_type, dtype: False)
+    monkeypatch.setattr(quant_kernels, "int4_kernel_works", lambda: False)     # e.g. a torch without the ops
+    monkeypatch.setattr(quant_kernels, "int8_kernel_works", lambda device_type, dtype: False)
     linear = nn.Linear(128, 48)
     x = torch.randn(3, 128)
     for scheme, g, kernel in [("int8", None, INT8_KERNEL), ("int4", 32, INT4_KERNEL)]:
         ql = lab.quantize_linear(linear, scheme, g)
         assert ql.path == DEQUANT_MATMUL and kernel in ql.fallback_reason and ql.fallback_reason in repr(ql)
-        assert ql._kernel_cache is None                                 # no packed copy kept for nothing
+        assert ql.kernels.cached_bytes() == 0                           # no packed copy kept for nothing
         torch.testing.assert_close(ql(x), F.linear(x, ql.dequantized_weight(), linear.bias), rtol=0, atol=0)
     monkeypatch.undo()
-    monkeypatch.setattr(quantize, "cpu_kernels_fast", lambda: False)            # a CPU without AVX2/AVX-512/NEON
+    monkeypatch.setattr(quant_kernels, "cpu_kernels_fast", lambda: False)       # a CPU without AVX2/AVX-512/NEON
     assert "vectorized" in lab.quantize_linear(linear, "int4", 32).fallback_reason
     assert "vectorized" in lab.quantize_linear(linear, "int8").fallback_reason
 
@@ -277,6 +280,79 @@ def test_int4_layers_the_kernel_cannot_take_fall_back_by_name():
     small_groups = lab.quantize_linear(nn.Linear(128, 32), "int4", 16)          # groups finer than 32
     assert small_groups.path == DEQUANT_MATMUL and "group size 16" in small_groups.fallback_reason
     assert [quantize.int4_kernel_group(g) for g in (16, 32, 64, 96, 192, 576, 1024)] == [None, 32, 64, 32, 64, 64, 256]
+
+
+@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", 32)])
+def test_a_moved_or_cast_layer_chooses_its_kernels_again(scheme, group_size):
+    """The kernels are chosen once per layer, and again when .to() moves or casts it; not on every call."""
+    torch.manual_seed(0)
+    ql = lab.quantize_linear(nn.Linear(128, 48), scheme, group_size)
+    chosen = ql.kernels
+    assert (chosen.device, chosen.dtype) == (torch.device("cpu"), torch.float32)
+    assert ql.to("cpu") is ql and ql.kernels is chosen                 # nothing moved: the same choice
+    ql(torch.randn(2, 128))
+    assert ql.kernels is chosen                                        # a call probes nothing
+    ql.to(torch.bfloat16)
+    assert ql.kernels is not chosen and ql.kernels.dtype == ql.dtype == ql.scales.dtype == torch.bfloat16
+    assert ql.path == chosen.path                                      # the same kernel, chosen for bf16
+    x = torch.randn(3, 128).bfloat16()
+    y = ql(x)
+    assert y.dtype == torch.bfloat16 and _rel(y, F.linear(x.float(), ql.dequantized_weight().float(),
+                                                          ql.bias.float())) < 1e-2
+    ql.to("meta")                                                      # a device with no kernel at all
+    assert ql.kernels.device.type == "meta" and ql.path == DEQUANT_MATMUL and "meta" in ql.fallback_reason
+    assert ql(x.to("meta")).shape == (3, 48)
+
+
+def test_a_cast_model_leaves_its_stale_fused_copies(tiny):
+    model, _ = tiny
+    q = lab.quantize_model(model, "int8")
+    attn = q.layers[0].self_attn
+    assert attn.fused.holds(attn.projections())
+    q.to(torch.bfloat16)                                               # the layers cast; the fused copies do not
+    assert not attn.fused.holds(attn.projections())
+    assert all(m.kernels.dtype == torch.bfloat16 for m in q.modules() if isinstance(m, lab.QuantLinear))
+
+
+def test_thresholds_are_this_cpus_record_or_say_whose_they_are(tmp_path, monkeypatch):
+    from infopt_lab import quant_thresholds
+    path = tmp_path / "thresholds.json"
+    with pytest.raises(FileNotFoundError, match="measure_quant_thresholds"):
+        quant_thresholds.cpu_thresholds(path)
+    monkeypatch.setattr(quant_thresholds, "cpu_key", lambda: "Some CPU, AVX2")
+    quant_thresholds.save_thresholds(12, 6, {}, path)                  # the first CPU measured: the default
+    mine = quant_thresholds.cpu_thresholds(path)
+    assert (mine.int8_gemm_min_rows, mine.int8_gemm_min_rows_tiled, mine.measured_on) == (12, 6, "Some CPU, AVX2")
+    assert mine.source.startswith("measured on this CPU")
+    monkeypatch.setattr(quant_thresholds, "cpu_key", lambda: "Other CPU, DEFAULT")
+    quant_thresholds.cpu_thresholds.cache_clear()
+    other = quant_thresholds.cpu_thresholds(path)
+    assert (other.int8_gemm_min_rows, other.measured_on) == (12, "Some CPU, AVX2")
+    assert "no record for this CPU (Other CPU, DEFAULT)" in other.source
+    with pytest.raises(ValueError, match="int8_gemm_min_rows must be an integer >= 1, got 0"):
+        quant_thresholds.save_thresholds(0, 6, {}, path)
+    quant_thresholds.cpu_thresholds.cache_clear()
+
+
+def test_the_committed_thresholds_were_measured_and_are_the_ones_used():
+    from infopt_lab.quant_thresholds import cpu_thresholds, read_records
+    records = read_records()
+    assert records["default"] in records["cpus"]
+    assert all(r["timings"] and r["command"] for r in records["cpus"].values())     # measured, not typed in
+    limits = cpu_thresholds()
+    assert (quant_kernels.INT8_GEMM_MIN_ROWS, quant_kernels.INT8_GEMM_MIN_ROWS_TILED) == \
+        (limits.int8_gemm_min_rows, limits.int8_gemm_min_rows_tiled)
+    assert limits.measured_on in limits.source
+
+
+def test_int8_gemm_crossover_times_both_paths_at_each_row_count():
+    if not KERNELS_HERE["int8"]:
+        pytest.skip("no working CPU int8 kernel here")
+    layer = lab.quantize_linear(nn.Linear(64, 32, bias=False), "int8")
+    crossover, seconds = quant_kernels.int8_gemm_crossover(layer, rows=(2, 1), repeats=1)
+    assert list(seconds) == [1, 2] and all(set(t) == {"kernel", "gemm"} for t in seconds.values())
+    wins = [n for n, t in seconds.items() if t["gemm"] < t["kernel"]]
+    assert crossover == (1 if wins == [1, 2] else 2 if wins == [2] else quant_kernels.INT8_KERNEL_MAX_ROWS + 1)
 
 
 def test_quantize_model_quantizes_the_tied_head_and_keeps_the_embedding(tiny):
@@ -416,7 +492,7 @@ def test_quality_helpers():
 
 # -- the scorecard ----------------------------------------------------------------------------------
 def test_scheme_table_on_a_tiny_model(tiny):
-    from infopt_lab.quant_eval import Scheme, format_table, scheme_table
+    from infopt_lab.bench.quant import Scheme, format_table, scheme_table
     model, tok = tiny
     schemes = [Scheme("fp32", lambda m: m), Scheme("int8", lambda m: lab.quantize_model(m, "int8")),
                Scheme("fp32 + int8 KV", lambda m: m, QuantizedKVCache.for_model)]
@@ -446,7 +522,7 @@ def test_gptq_model_keeps_the_int4_format_and_lowers_every_layers_error(tiny):
 
 
 def test_perplexity_through_the_cache_equals_the_one_pass_figure(tiny):
-    from infopt_lab.quant_eval import cached_perplexity
+    from infopt_lab.bench.quant import cached_perplexity
     model, tok = tiny
     one_pass = lab.perplexity(model, tok, seq_len=128, max_tokens=512)
     cached = cached_perplexity(model, tok, KVCache.for_model, max_tokens=512, seq_len=128, chunk=32)
@@ -481,10 +557,12 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 @pytest.mark.parametrize("module", ["infopt_lab.quant_format", "infopt_lab.quantize", "infopt_lab.gptq",
+                                    "infopt_lab.quant_kernels", "infopt_lab.quant_thresholds",
                                     "infopt_lab.kernels.int4_matmul"])
 def test_quantization_modules_are_in_no_import_cycle(module):
     graph = _import_graph()
-    assert "infopt_lab.quant_format" in graph[module] or module == "infopt_lab.quant_format"
+    assert "infopt_lab.quant_format" in graph[module] or module in ("infopt_lab.quant_format",
+                                                                    "infopt_lab.quant_thresholds")   # no format there
     seen, todo = set(), list(graph[module])
     while todo:                                          # every module `module` reaches through its imports
         m = todo.pop()
