@@ -140,7 +140,7 @@ def distill(student, teacher, tok, steps: int = 200, weight: float = 0.9, temper
     """
     from . import data
     from .quality import split_tokens
-    from .train import Recipe, _optimizer, evaluate, lr_at
+    from .recipe import Recipe, lr_at, optimizer, update, val_bits_per_byte
     steps = validate.integer("steps", steps, low=1)
     weight = validate.real("weight", weight, low=0, high=1)
     temperature = validate.real("temperature", temperature, low=0, low_open=True)
@@ -154,26 +154,21 @@ def distill(student, teacher, tok, steps: int = 200, weight: float = 0.9, temper
                     teacher="given" if weight else None)
     val_tokens, byte_lengths = split_tokens(tok, "val")
     val = data.eval_windows(val_tokens, recipe.seq_len, 16)
-    opt = _optimizer(student, recipe)
+    opt = optimizer(student, recipe)
     student.train()
     log = []
     bar = tqdm(range(steps), disable=not progress, desc=f"distill (weight {weight})")
     for step in bar:
         x, y, values, indices = cache.batch(np.random.default_rng([seed, step]), batch_size)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, recipe)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x.device.type == "cpu"):
             logits = student(x)                                           # (B, T, V)
         loss = distillation_loss(logits.flatten(0, 1), y.flatten(), values.flatten(0, 1),
                                  indices.flatten(0, 1), weight, temperature)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), recipe.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(student, opt, loss, lr_at(step, recipe), recipe)
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             log.append({"step": step + 1, "loss": round(loss.item(), 4),
-                        "val_bpb": round(evaluate(student, val, byte_lengths), 4),
+                        "val_bpb": round(val_bits_per_byte(student, val, byte_lengths), 4),
                         "agreement": round(agreement(student.eval(), teacher, val), 4)})
             student.train()
     return log

@@ -1,4 +1,4 @@
-"""The training recipe behind `infopt-lab train`: seeded, resumable, CPU or CUDA.
+"""A training run of a recipe (recipe.py), behind `infopt-lab train`: seeded, resumable, CPU or CUDA.
 
 A run writes, into its output directory, the tokenizer, a resumable checkpoint
 (`checkpoint/`, safetensors plus JSON, no pickle), a log of val bits per byte
@@ -8,10 +8,9 @@ format. Rerunning the same command resumes from the checkpoint.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -23,82 +22,8 @@ from . import data
 from .config import get_preset
 from .device import get_device, keep_freed_memory
 from .distill import TeacherCache, distillation_loss
-from .quality import score_windows
 from .model import Transformer
-
-
-@dataclass
-class Recipe:
-    preset: str = "target"
-    steps: int = 3000             # optimizer steps
-    batch_size: int = 16          # sequences per step
-    seq_len: int = 512            # tokens per training sequence
-    lr: float = 2e-3              # peak learning rate
-    min_lr_ratio: float = 0.05    # cosine floor, as a share of the peak
-    warmup: int = 150             # linear warm-up steps
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 250         # steps between val evaluations and checkpoints
-    eval_windows: int = 64        # val windows scored at each evaluation
-    seed: int = 0
-    vocab_size: int = 4096
-    teacher: str | None = None    # a model (bundled name or directory) whose next-token distributions are distilled
-    distill_weight: float = 0.0   # share of the loss that is KL(teacher || student); the rest is next-token CE
-    temperature: float = 1.0      # softens teacher and student alike in the KL term (distill.py)
-    teacher_topk: int = 0         # > 0: cache the teacher's top-k logits once on `teacher_windows` windows
-    teacher_windows: int = 0      #   and train on those windows (0: run the teacher on every batch)
-    tokenizer: str | None = None  # a model whose tokenizer the run uses (None: train one on the corpus)
-    init_from: str | None = None  # a model directory whose weights start the run (set by `--init`)
-
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len", "warmup", "eval_every", "eval_windows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.lr < 1:
-            raise ValueError(f"lr must be in (0, 1), got {self.lr}")
-        if not 0 <= self.distill_weight <= 1:
-            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
-        if self.distill_weight > 0 and self.teacher is None:
-            raise ValueError("distill_weight > 0 needs a teacher model")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.teacher_topk < 0 or self.teacher_windows < 0 or (self.teacher_topk > 0) != (self.teacher_windows > 0):
-            raise ValueError("teacher_topk and teacher_windows must both be positive (a cached teacher) or both 0, "
-                             f"got {self.teacher_topk} and {self.teacher_windows}")
-
-
-RECIPES = {
-    "target": Recipe(preset="target", steps=2400),
-    "draft": Recipe(preset="draft", steps=1000, lr=3e-3),
-    # fine-tunes a trained draft (`--init DIR`) towards the target's distributions: a better speculator
-    "draft-distill": Recipe(preset="draft", steps=300, batch_size=8, lr=1e-3, warmup=20, eval_every=50,
-                            teacher="target", distill_weight=0.9),
-    # SmolLM2-135M's draft: hard labels on the corpus in SmolLM2's tokenization, then (`--init`) distilled
-    "smollm2-draft": Recipe(preset="smollm2-draft", steps=600, batch_size=4, seq_len=1024, lr=3e-3, warmup=50,
-                            eval_every=100, eval_windows=16, tokenizer="smollm2-135m"),
-    "smollm2-draft-distill": Recipe(preset="smollm2-draft", steps=600, batch_size=4, seq_len=1024, lr=1.5e-3,
-                                    warmup=30, eval_every=100, eval_windows=16, tokenizer="smollm2-135m",
-                                    teacher="smollm2-135m", distill_weight=0.9, teacher_topk=32,
-                                    teacher_windows=768),
-    "tiny": Recipe(preset="tiny", steps=20, batch_size=4, seq_len=64, eval_every=10,
-                   eval_windows=4, vocab_size=512),
-}
-
-
-def lr_at(step: int, r: Recipe) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
-    if step < r.warmup:
-        return r.lr * (step + 1) / r.warmup
-    progress = min(1.0, (step - r.warmup) / max(1, r.steps - r.warmup))
-    return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _optimizer(model: Transformer, r: Recipe) -> torch.optim.AdamW:
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": r.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=r.lr, betas=(0.9, 0.95), eps=1e-8)
+from .recipe import RECIPES, Recipe, lr_at, optimizer, update, val_bits_per_byte  # noqa: F401  (re-exported: cli)
 
 
 def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, step: int,
@@ -140,14 +65,6 @@ def load_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer) 
     return meta
 
 
-def evaluate(model: Transformer, windows: torch.Tensor, byte_lengths: torch.Tensor) -> float:
-    """Bits per byte of `windows` ([N, T + 1]) under the model."""
-    model.eval()
-    nats, _, n_bytes = score_windows(model, windows, byte_lengths)
-    model.train()
-    return nats / math.log(2) / max(1, n_bytes)
-
-
 def _prepare_data(out: Path, recipe: Recipe, tokenizer_dir: str | Path | None):
     """The run's tokenizer (trained once, or copied), train tokens, val windows, token byte lengths."""
     from .loading import TOKENIZER_FILES, load_tokenizer_dir, resolve_model_dir
@@ -172,8 +89,6 @@ def _train_step(model, opt, x, y, lr: float, recipe: Recipe, teacher=None, cache
 
     The teacher's logits come from `teacher` run on this batch, or from `cached` (values, indices [B, T, k]).
     """
-    for g in opt.param_groups:
-        g["lr"] = lr
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         logits = model(x)                                              # (B, T, V)
     t_logits, t_indices = None, None
@@ -187,10 +102,7 @@ def _train_step(model, opt, x, y, lr: float, recipe: Recipe, teacher=None, cache
     else:
         loss = distillation_loss(logits.flatten(0, 1), y.flatten(), t_logits, t_indices,
                                  recipe.distill_weight, recipe.temperature)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    update(model, opt, loss, lr, recipe)
     return loss.item()
 
 
@@ -208,68 +120,102 @@ def train(recipe: Recipe, out: str | Path, tokenizer_dir: str | Path | None = No
     device = device or get_device()
     torch.manual_seed(recipe.seed)
     tok, train_tokens, val_windows, byte_lengths = _prepare_data(out, recipe, tokenizer_dir)
+    model = _student(recipe, len(tok), device)
+    teacher, cache = _teacher(out, recipe, train_tokens, device, progress)
+    opt = optimizer(model, recipe)
+    ckpt = out / "checkpoint"
+    step, elapsed = _resume(ckpt, model, opt)
+    if keep_memory:
+        keep_freed_memory()       # after the teacher's cache: its passes fragment a heap that never shrinks
+    t0 = time.perf_counter() - elapsed
+    end = recipe.steps if stop_after is None else min(recipe.steps, stop_after)
+    with (out / "train_log.jsonl").open("a") as log, \
+            tqdm(total=recipe.steps, initial=step, disable=not progress, desc=f"train {recipe.preset}") as bar:
+        while step < end:
+            x, y, cached = _batch(recipe, step, train_tokens, cache, device)
+            loss = _train_step(model, opt, x, y, lr_at(step, recipe), recipe, teacher, cached)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if step % recipe.eval_every == 0 or step == recipe.steps:
+                bpb = val_bits_per_byte(model, val_windows, byte_lengths)
+                elapsed = time.perf_counter() - t0
+                _log_evaluation(log, bar, recipe, step, loss, bpb, elapsed)
+                save_checkpoint(ckpt, model, opt, step, recipe, elapsed)
+    if step < recipe.steps:
+        return out                                             # stopped early: resume later
+    _finish(out, recipe, model, cache is not None)
+    return out
+
+
+def _student(recipe: Recipe, vocab_size: int, device: torch.device) -> Transformer:
+    """The model to train: freshly initialised from the seeded generator, or the weights of `recipe.init_from`."""
     config = get_preset(recipe.preset)
-    config.vocab_size = len(tok)
+    config.vocab_size = vocab_size
     model = Transformer(config).to(device).train()
     if recipe.init_from is not None:
         start = Transformer.from_pretrained(recipe.init_from)
         if start.config != config:
             raise ValueError(f"--init {recipe.init_from} holds a {start.config} model, the recipe needs {config}")
         model.load_state_dict(start.state_dict())
-    teacher, cache = None, None
-    if recipe.teacher is not None:
-        from .loading import load_model
-        teacher = load_model(recipe.teacher, dtype=torch.float32, device=device)[0].eval()
-        if recipe.teacher_topk:
-            rng = np.random.default_rng([recipe.seed, 1 << 20])       # not a step's stream
-            x, y = data.random_batch(train_tokens, recipe.teacher_windows, recipe.seq_len, rng)
-            windows = torch.cat([x, y[:, -1:]], dim=1)                 # (N, T + 1)
-            cache = TeacherCache.build(teacher, windows, out / "teacher-topk", k=recipe.teacher_topk,
-                                       fingerprint={"teacher": recipe.teacher, **teacher.config.to_dict()},
-                                       progress=progress)
-            teacher = None                                             # epochs read the cache, not the teacher
-    opt = _optimizer(model, recipe)
-    ckpt = out / "checkpoint"
-    step, elapsed = 0, 0.0
-    if (ckpt / "state.json").exists():
-        meta = load_checkpoint(ckpt, model, opt)
-        step, elapsed = meta["step"], meta["elapsed_s"]
-        print(f"resuming from step {step}")
+    return model
 
-    if keep_memory:
-        keep_freed_memory()       # after the teacher's cache: its passes fragment a heap that never shrinks
-    t0 = time.perf_counter() - elapsed
-    with (out / "train_log.jsonl").open("a") as log, \
-            tqdm(total=recipe.steps, initial=step, disable=not progress, desc=f"train {recipe.preset}") as bar:
-        while step < recipe.steps and (stop_after is None or step < stop_after):
-            rng = np.random.default_rng([recipe.seed, step])   # the batch depends only on the step
-            cached = None
-            if cache is not None:
-                x, y, *cached = cache.batch(rng, recipe.batch_size)
-                cached = [c.to(device) for c in cached]
-            else:
-                x, y = data.random_batch(train_tokens, recipe.batch_size, recipe.seq_len, rng)
-            loss = _train_step(model, opt, x.to(device), y.to(device), lr_at(step, recipe), recipe, teacher, cached)
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-            if step % recipe.eval_every == 0 or step == recipe.steps:
-                bpb = evaluate(model, val_windows, byte_lengths)
-                elapsed = time.perf_counter() - t0
-                entry = {"step": step, "train_loss": round(loss, 4), "val_bpb": round(bpb, 4),
-                         "tokens": step * recipe.batch_size * recipe.seq_len, "elapsed_s": round(elapsed, 1)}
-                log.write(json.dumps(entry) + "\n")
-                log.flush()
-                bar.write(f"step {step}: train loss {loss:.3f}, val bits/byte {bpb:.3f}")
-                save_checkpoint(ckpt, model, opt, step, recipe, elapsed)
-    if step < recipe.steps:
-        return out                                             # stopped early: resume later
+
+def _teacher(out: Path, recipe: Recipe, train_tokens, device: torch.device,
+             progress: bool) -> tuple[Transformer | None, TeacherCache | None]:
+    """The recipe's teacher, run on every batch, or its top-k cache on fixed windows; (None, None) without one."""
+    if recipe.teacher is None:
+        return None, None
+    from .loading import load_model
+    teacher = load_model(recipe.teacher, dtype=torch.float32, device=device)[0].eval()
+    if not recipe.teacher_topk:
+        return teacher, None
+    rng = np.random.default_rng([recipe.seed, 1 << 20])       # not a step's stream
+    x, y = data.random_batch(train_tokens, recipe.teacher_windows, recipe.seq_len, rng)
+    windows = torch.cat([x, y[:, -1:]], dim=1)                 # (N, T + 1)
+    cache = TeacherCache.build(teacher, windows, out / "teacher-topk", k=recipe.teacher_topk,
+                               fingerprint={"teacher": recipe.teacher, **teacher.config.to_dict()},
+                               progress=progress)
+    return None, cache                                         # epochs read the cache, not the teacher
+
+
+def _resume(ckpt: Path, model: Transformer, opt: torch.optim.Optimizer) -> tuple[int, float]:
+    """The step and elapsed seconds to continue from: the checkpoint's (loaded into model and opt), or 0."""
+    if not (ckpt / "state.json").exists():
+        return 0, 0.0
+    meta = load_checkpoint(ckpt, model, opt)
+    print(f"resuming from step {meta['step']}")
+    return meta["step"], meta["elapsed_s"]
+
+
+def _batch(recipe: Recipe, step: int, train_tokens, cache: TeacherCache | None, device: torch.device):
+    """Step `step`'s inputs and targets [B, T] on `device`, and the cached teacher's values and indices (or None)."""
+    rng = np.random.default_rng([recipe.seed, step])   # the batch depends only on the step
+    cached = None
+    if cache is not None:
+        x, y, *cached = cache.batch(rng, recipe.batch_size)
+        cached = [c.to(device) for c in cached]
+    else:
+        x, y = data.random_batch(train_tokens, recipe.batch_size, recipe.seq_len, rng)
+    return x.to(device), y.to(device), cached
+
+
+def _log_evaluation(log, bar, recipe: Recipe, step: int, loss: float, bpb: float, elapsed: float) -> None:
+    """One line of train_log.jsonl, and the same numbers printed under the progress bar."""
+    entry = {"step": step, "train_loss": round(loss, 4), "val_bpb": round(bpb, 4),
+             "tokens": step * recipe.batch_size * recipe.seq_len, "elapsed_s": round(elapsed, 1)}
+    log.write(json.dumps(entry) + "\n")
+    log.flush()
+    bar.write(f"step {step}: train loss {loss:.3f}, val bits/byte {bpb:.3f}")
+
+
+def _finish(out: Path, recipe: Recipe, model: Transformer, cached_teacher: bool) -> None:
+    """The finished model in the Hugging Face format and its provenance replace the resumable state."""
     model.save_pretrained(out)
     _write_provenance(out, recipe)
-    shutil.rmtree(ckpt)                                        # the finished model replaces the resumable state
-    if cache is not None:
+    shutil.rmtree(out / "checkpoint")
+    if cached_teacher:
         shutil.rmtree(out / "teacher-topk")                    # hundreds of MB, rebuilt by rerunning the recipe
-    return out
 
 
 def _write_provenance(out: Path, recipe: Recipe) -> None:
