@@ -17,31 +17,25 @@ pass is `timing.py`'s (`measure_roofline`, `time_prefill`, `time_decode_step`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral, Real
 
+from . import validate
 from .config import ModelConfig
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _positive_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < float("inf"):
-        raise ValueError(f"{name} must be a positive number of bytes (e.g. 4, 2, 1, 0.5), got {value!r}")
-    return int(value) if isinstance(value, Integral) else float(value)   # Python numbers: numpy ones overflow
+def _bytes(name: str, value) -> int | float:
+    """A size in bytes per element or parameter (e.g. 4, 2, 1, 0.5): a finite number > 0, as a Python number."""
+    value = validate.real(name, value, low=0, low_open=True)
+    return int(value) if value.is_integer() else value      # an int keeps whole byte counts exact
 
 
 def kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1,
                    bytes_per_element: float = 2) -> int | float:
     """Bytes of the KV cache: 2 (K and V) x layers x KV heads x head dim x seq_len x batch x bytes."""
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a lab.ModelConfig (e.g. lab.get_preset('target') or model.config), "
-                        f"got {type(config).__name__}")
-    seq_len, batch_size = _positive_int("seq_len", seq_len), _positive_int("batch_size", batch_size)
-    bytes_per_element = _positive_number("bytes_per_element", bytes_per_element)
+    validate.instance("config", config, ModelConfig, "a lab.ModelConfig (e.g. lab.get_preset('target') or "
+                      "model.config)")
+    seq_len = validate.integer("seq_len", seq_len, low=1)
+    batch_size = validate.integer("batch_size", batch_size, low=1)
+    bytes_per_element = _bytes("bytes_per_element", bytes_per_element)
     elements = 2 * config.n_layers * config.n_kv_heads * config.head_dim * seq_len * batch_size
     total = elements * bytes_per_element
     return int(total) if float(total).is_integer() else total
@@ -49,9 +43,8 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1,
 
 def arithmetic_intensity(m: int, k: int, n: int, bytes_per_element: float = 2) -> float:
     """FLOPs per byte of [m, k] @ [k, n]: 2mkn FLOPs over (mk + kn + mn) elements read or written once."""
-    for name, value in (("m", m), ("k", k), ("n", n)):
-        _positive_int(name, value)
-    _positive_number("bytes_per_element", bytes_per_element)
+    m, k, n = (validate.integer(name, value, low=1) for name, value in (("m", m), ("k", k), ("n", n)))
+    bytes_per_element = _bytes("bytes_per_element", bytes_per_element)
     return 2 * m * k * n / ((m * k + k * n + m * n) * bytes_per_element)
 
 
@@ -99,13 +92,14 @@ def forward_cost(config: ModelConfig, batch_size: int = 1, seq_len: int = 1, pas
                  bytes_per_param: float = 2, bytes_per_element: float = 2,
                  use_cache: bool = True) -> ForwardCost:
     """Cost of one forward pass over `seq_len` new tokens per sequence after `past_len` cached ones."""
-    B, T = _positive_int("batch_size", batch_size), _positive_int("seq_len", seq_len)
-    if isinstance(past_len, bool) or not isinstance(past_len, int) or past_len < 0:
-        raise ValueError(f"past_len must be an integer >= 0, got {past_len!r}")
+    validate.instance("config", config, ModelConfig, "a lab.ModelConfig (e.g. lab.get_preset('target') or "
+                      "model.config)")
+    B, T = validate.integer("batch_size", batch_size, low=1), validate.integer("seq_len", seq_len, low=1)
+    past_len, use_cache = validate.integer("past_len", past_len, low=0), validate.boolean("use_cache", use_cache)
     if past_len and not use_cache:
         raise ValueError("past_len > 0 needs use_cache=True: without a cache there is no past to read")
-    _positive_number("bytes_per_param", bytes_per_param)
-    _positive_number("bytes_per_element", bytes_per_element)
+    bytes_per_param = _bytes("bytes_per_param", bytes_per_param)
+    bytes_per_element = _bytes("bytes_per_element", bytes_per_element)
     C, D, H, H_kv = config.dim, config.head_dim, config.n_heads, config.n_kv_heads
     I, V, L = config.intermediate_size, config.vocab_size, config.n_layers
     # per token: multiply-adds of the layer projections, then the output head
@@ -132,15 +126,15 @@ def prefill_cost(config: ModelConfig, prompt_len: int, batch_size: int = 1, **by
 
 def decode_cost(config: ModelConfig, context_len: int, batch_size: int = 1, **bytes_kw) -> ForwardCost:
     """One decode step: one new token per sequence after `context_len` cached positions."""
-    return forward_cost(config, batch_size, 1, _positive_int("context_len", context_len), **bytes_kw)
+    return forward_cost(config, batch_size, 1, validate.integer("context_len", context_len, low=1), **bytes_kw)
 
 
 def generation_cost(config: ModelConfig, prompt_len: int, new_tokens: int, use_cache: bool = True,
                     batch_size: int = 1, **bytes_kw) -> ForwardCost:
     """Total cost of a prompt plus `new_tokens` greedy steps, with the KV cache or recomputing everything."""
-    _positive_int("prompt_len", prompt_len)
-    _positive_int("new_tokens", new_tokens)
-    if use_cache:    # prefill, then one-token steps at positions prompt_len .. prompt_len + new_tokens - 2
+    prompt_len = validate.integer("prompt_len", prompt_len, low=1)
+    new_tokens = validate.integer("new_tokens", new_tokens, low=1)
+    if validate.boolean("use_cache", use_cache):    # prefill, then one-token steps at positions prompt_len .. prompt_len + new_tokens - 2
         passes = [prefill_cost(config, prompt_len, batch_size, **bytes_kw)]
         passes += [decode_cost(config, prompt_len + i, batch_size, **bytes_kw) for i in range(new_tokens - 1)]
     else:            # every step runs the whole sequence so far
@@ -159,8 +153,8 @@ class Roofline:
     bandwidth: float
 
     def __post_init__(self):
-        if not (self.peak_flops > 0 and self.bandwidth > 0):
-            raise ValueError(f"peak_flops and bandwidth must be > 0, got {self.peak_flops} and {self.bandwidth}")
+        for name in ("peak_flops", "bandwidth"):
+            object.__setattr__(self, name, validate.real(name, getattr(self, name), low=0, low_open=True))
 
     @property
     def ridge(self) -> float:

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import validate
+
 VAL_PERCENT = 5                      # share of files held out for validation
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 SPECIAL_TOKEN = "<|endoftext|>"      # separates files; also BOS and EOS
@@ -38,8 +40,7 @@ def split_of(rel_path: str) -> str:
 @functools.lru_cache(maxsize=None)
 def corpus_files(split: str = "train", root: str | None = None) -> tuple[Path, ...]:
     """Sorted source files of one split ('train', 'val' or 'all')."""
-    if split not in ("train", "val", "all"):
-        raise ValueError(f"split must be 'train', 'val' or 'all', got {split!r}")
+    validate.choice("split", split, ("train", "val", "all"))
     base = Path(root) if root else stdlib_dir()
     files = []
     for path in sorted(base.rglob("*.py")):

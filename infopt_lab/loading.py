@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from . import hub
+from . import hub, validate
 from .data import SPECIAL_TOKEN, load_tokenizer
 from .device import default_dtype, get_device
 from .model import Transformer, fuse_projections, set_weight_layout
@@ -40,8 +40,7 @@ def bundled_model_dir(name: str) -> Path:
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:
     """The local directory for a bundled name, a path, or a downloaded hub id."""
-    if not isinstance(name_or_path, (str, Path)):
-        raise TypeError(f"the model must be named by a string or a path, got {type(name_or_path).__name__}")
+    validate.instance("the model", name_or_path, (str, Path), "named by a string or a path")
     name = str(name_or_path)
     if not name.strip():
         raise ValueError(f"the model name is empty: use one of {list(NAMES)}, a local directory in "

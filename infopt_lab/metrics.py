@@ -32,9 +32,8 @@ class RequestMetrics:
 
 def request_metrics(start_s: float, token_times_s: Sequence[float]) -> RequestMetrics:
     """TTFT, TPOT and end-to-end latency from a request's start and its tokens' timestamps."""
-    if len(token_times_s) == 0:
-        raise ValueError("token_times_s is empty: a request needs at least one token")
-    t = [x - start_s for x in token_times_s]
+    start_s = validate.real("start_s", start_s)
+    t = [x - start_s for x in validate.reals("token_times_s", token_times_s)]      # a request has >= 1 token
     if any(b < a for a, b in zip(t, t[1:])) or t[0] < 0:
         raise ValueError("token timestamps must be non-decreasing and not before the start")
     tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
@@ -43,6 +42,7 @@ def request_metrics(start_s: float, token_times_s: Sequence[float]) -> RequestMe
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
     """{'p50': ..., 'p90': ..., 'p99': ...} of a list of latencies."""
+    qs = validate.reals("qs", qs, low=0, high=100)
     if len(values) == 0:
         raise ValueError("percentiles of an empty list are undefined")
     arr = np.asarray(values, dtype=float)
@@ -51,9 +51,8 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> 
 
 def throughput(n_tokens: int, seconds: float) -> float:
     """Tokens per second across all requests of a run."""
-    if seconds <= 0:
-        raise ValueError(f"seconds must be > 0, got {seconds}")
-    return n_tokens / seconds
+    n_tokens = validate.real("n_tokens", n_tokens, low=0)
+    return n_tokens / validate.real("seconds", seconds, low=0, low_open=True)
 
 
 # -- memory ---------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ the settings it claims to mirror.
 """
 from __future__ import annotations
 
+from . import validate
 from .sampling import SamplingParams, sampling_params
 
 # our name -> vLLM's, with what changes on the way (shown in notebook 07's table)
@@ -46,12 +47,10 @@ def vllm_arguments(model: str, *, max_batch_size: int = 8, block_size: int = 16,
     `model` and `draft` are checkpoint paths or hub ids (`draft="ngram"` for prompt lookup); `weights` is
     None, "int8" or "int4" (as passed to `lab.quantize_model`).
     """
-    if not isinstance(model, str) or not model:
-        raise TypeError(f"model must be a checkpoint path or hub id (a non-empty string), got {model!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPE:
-        raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPE)}, got {kv_cache_dtype!r}")
-    if weights not in WEIGHT_QUANTIZATION:
-        raise ValueError(f"weights must be one of {tuple(WEIGHT_QUANTIZATION)}, got {weights!r}")
+    validate.text("model", model)                 # a checkpoint path or hub id
+    validate.choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPE)
+    validate.choice("weights", weights, WEIGHT_QUANTIZATION)
+    num_speculative_tokens = validate.speculation_length("num_speculative_tokens", num_speculative_tokens, low=0)
     if (draft is None) != (num_speculative_tokens == 0):
         raise ValueError("give both a draft and num_speculative_tokens >= 1, or neither "
                          f"(got draft={draft!r}, num_speculative_tokens={num_speculative_tokens!r})")

@@ -162,8 +162,7 @@ def evaluate(model, tok, split: str = "val", seq_len: int | None = None,
              max_tokens: int | None = None) -> Evaluation:
     """Perplexity and bits per byte over a split, in one pass of windows of seq_len tokens (512 by default)."""
     validate.model("model", model)
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    validate.choice("split", split, ("train", "val"))
     context = model.config.max_seq_len
     seq_len = min(512, context) if seq_len is None else validate.integer("seq_len", seq_len, low=1, high=context)
     max_tokens = validate.integer("max_tokens", max_tokens, low=1, allow_none=True)

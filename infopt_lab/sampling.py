@@ -17,12 +17,18 @@ from torch import Tensor
 
 from . import validate
 
+DEFAULT_MAX_NEW_TOKENS = 64
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings: `lab.SamplingParams(max_new_tokens=64, temperature=0.0, seed=0)`."""
+    """Per-request decoding settings: `lab.SamplingParams(max_new_tokens=64, temperature=0.0, seed=0)`.
 
-    max_new_tokens: int = 64                 # new tokens to produce at most
+    `max_new_tokens=None` means "not given": here the default (64); as an override (`sampling_params`,
+    `lab.generate`, the engine) it keeps what `params` says.
+    """
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS   # new tokens to produce at most (None: this default)
     temperature: float = 0.0                 # 0 means greedy (argmax)
     top_k: int | None = None                 # keep the k most likely tokens
     top_p: float | None = None               # keep the smallest set with cumulative probability >= top_p
@@ -32,16 +38,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "max_new_tokens", validate.integer("max_new_tokens", self.max_new_tokens, low=1))
+        n = DEFAULT_MAX_NEW_TOKENS if self.max_new_tokens is None else self.max_new_tokens
+        set_(self, "max_new_tokens", validate.integer("max_new_tokens", n, low=1))
         set_(self, "temperature", validate.real("temperature", self.temperature, low=0))
         set_(self, "top_k", validate.integer("top_k", self.top_k, low=1, allow_none=True))
         set_(self, "top_p", validate.real("top_p", self.top_p, low=0, high=1, allow_none=True, low_open=True))
         set_(self, "seed", validate.integer("seed", self.seed, low=0, allow_none=True))
-        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-            raise TypeError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
-        set_(self, "stop_token_ids", tuple(validate.integer("stop_token_ids", t, low=0) for t in self.stop_token_ids))
-        if not isinstance(self.stop_at_eos, bool):
-            raise TypeError(f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
+        set_(self, "stop_token_ids", tuple(validate.integers("stop_token_ids", self.stop_token_ids, low=0,
+                                                             nonempty=False)))
+        validate.boolean("stop_at_eos", self.stop_at_eos)
 
     @property
     def greedy(self) -> bool:
@@ -55,13 +60,18 @@ class SamplingParams:
 
 
 def sampling_params(params: SamplingParams | None = None, **overrides) -> SamplingParams:
-    """`params` (default settings when None) with keyword overrides applied; unknown names are refused."""
-    if params is not None and not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    """`params` (default settings when None) with keyword overrides applied; unknown names are refused.
+
+    `max_new_tokens=None` is no override: the length stays `params`' (the default, 64, without params).
+    """
+    if params is not None:
+        validate.instance("params", params, SamplingParams, "a SamplingParams (or None for the defaults)")
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise TypeError(f"unknown sampling setting(s) {unknown}; allowed: {sorted(fields)}")
+    if overrides.get("max_new_tokens", 0) is None:
+        del overrides["max_new_tokens"]
     return dataclasses.replace(params or SamplingParams(), **overrides)
 
 

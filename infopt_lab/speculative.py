@@ -17,7 +17,6 @@ entries past it are overwritten by the next round and never attended to.
 """
 from __future__ import annotations
 
-import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -32,22 +31,14 @@ from .sampling import SamplingParams, check_request, draw, logits_to_probs, make
 
 def expected_tokens_per_pass(alpha: float, k: int) -> float:
     """Tokens emitted per target pass when each draft token is accepted with probability alpha: (1 - a^(k+1)) / (1 - a)."""
-    _check_alpha_k(alpha, k)
+    alpha, k = validate.real("alpha", alpha, low=0, high=1), validate.speculation_length("k", k)
     return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     """Speedup over target-only decoding when a draft step costs `cost_ratio` target steps (verification ~ 1 step)."""
-    if cost_ratio < 0:
-        raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+    cost_ratio = validate.real("cost_ratio", cost_ratio, low=0)
     return expected_tokens_per_pass(alpha, k) / (k * cost_ratio + 1)
-
-
-def _check_alpha_k(alpha: float, k: int) -> None:
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
 
 
 def verify(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
@@ -60,17 +51,17 @@ def verify(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
     Tokens are drawn with `generator`; the acceptance coins with `accept_generator` when given
     (so that a draft equal to the target leaves the token draws exactly those of plain decoding).
     """
-    validate.tensor("draft_tokens", draft_tokens, dims=1)
+    validate.tensor("draft_tokens", draft_tokens, dims=1, dtypes=validate.TOKEN_DTYPES)
     validate.tensor("draft_probs", draft_probs, dims=2)
     validate.tensor("target_probs", target_probs, dims=2)
     k = draft_tokens.shape[0]
     if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1 or draft_probs.shape[1] != target_probs.shape[1]:
         raise ValueError(f"need draft_probs [k, V] and target_probs [k + 1, V] for k={k}, got "
                          f"{tuple(draft_probs.shape)} and {tuple(target_probs.shape)}")
-    _check_probs("draft_probs", draft_probs)
-    _check_probs("target_probs", target_probs)
+    validate.probabilities("draft_probs", draft_probs)
+    validate.probabilities("target_probs", target_probs)
     vocab = target_probs.shape[1]
-    if draft_tokens.is_floating_point() or (k and not 0 <= int(draft_tokens.min()) <= int(draft_tokens.max()) < vocab):
+    if k and not 0 <= int(draft_tokens.min()) <= int(draft_tokens.max()) < vocab:
         raise ValueError(f"draft_tokens must be integer token ids in [0, {vocab}), got {draft_tokens.tolist()}")
     coins = generator if accept_generator is None else accept_generator
     emitted: list[int] = []
@@ -88,15 +79,6 @@ def verify(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
         return emitted, i
     emitted.append(int(draw(target_probs[k], generator)))
     return emitted, k
-
-
-def _check_probs(name: str, probs: Tensor) -> None:
-    """Rows of probabilities: finite, non-negative, each summing to 1."""
-    if not probs.is_floating_point() or not torch.isfinite(probs).all() or (probs < 0).any():
-        raise ValueError(f"{name} must hold finite, non-negative probabilities")
-    sums = probs.sum(-1)
-    if not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
-        raise ValueError(f"{name}'s rows must each sum to 1, got sums {[round(s, 4) for s in sums.tolist()]}")
 
 
 def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
@@ -170,20 +152,18 @@ def _feed(decoder: Decoder, tokens: list[int]) -> Tensor:
     return decoder.feed(torch.tensor([tokens], device=decoder.device))[0]
 
 
-def _check_pair(target, draft, input_ids: Tensor, params: SamplingParams, k: int) -> None:
-    """The request checks of both models (with room for k + 1 draft positions), plus k and the vocabularies."""
+def _check_pair(target, draft, input_ids: Tensor, params: SamplingParams, k) -> int:
+    """The models (`validate.draft`), k, input_ids [1, T], and the request for both models with room for k + 1 more."""
     validate.model("target", target)
     if draft is not None:
-        validate.model("draft", draft)
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs from the target's "
-                         f"({target.config.vocab_size}): speculative decoding needs one shared tokenizer")
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must be a tensor [1, T], got {getattr(input_ids, 'shape', input_ids)!r}")
+        validate.draft(target, draft)             # the context is checked per request below, with the draft positions
+    k = validate.speculation_length("k", k)
+    validate.tensor("input_ids", input_ids, dims=2, dtypes=validate.TOKEN_DTYPES)
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be one sequence [1, T], got shape {tuple(input_ids.shape)}")
     for model in (target, draft) if draft is not None else (target,):
         check_request(input_ids[0].tolist(), params, model.config, extra_positions=k + 1)
+    return k
 
 
 def _finish(out: list[int], params: SamplingParams, stops: frozenset[int]) -> list[int]:
@@ -216,7 +196,7 @@ def speculative_generate(target, draft, input_ids: Tensor, params: SamplingParam
     Keyword overrides are SamplingParams fields (`max_new_tokens=64, temperature=0.8, ...`).
     """
     params = sampling_params(params, **overrides)
-    _check_pair(target, draft, input_ids, params, k)
+    k = _check_pair(target, draft, input_ids, params, k)
     prompt = input_ids[0].tolist()
     capacity = len(prompt) + params.max_new_tokens + k + 1
     tgt, drf = Decoder(target, 1, capacity), Decoder(draft, 1, capacity)
@@ -271,7 +251,8 @@ def prompt_lookup_generate(target, input_ids: Tensor, params: SamplingParams | N
     params = sampling_params(params, **overrides)
     if not params.greedy:
         raise ValueError(f"prompt lookup decodes greedily: temperature must be 0, got {params.temperature}")
-    _check_pair(target, None, input_ids, params, k)
+    k = _check_pair(target, None, input_ids, params, k)
+    max_ngram = validate.integer("max_ngram", max_ngram, low=1)
     prompt = input_ids[0].tolist()
     tgt = Decoder(target, 1, len(prompt) + params.max_new_tokens + k + 1)
     stops = params.stop_ids(eos_id)

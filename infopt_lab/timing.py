@@ -14,7 +14,8 @@ from typing import TypeVar
 
 import torch
 
-from .costs import Roofline, _positive_int
+from . import validate
+from .costs import Roofline
 from .device import default_dtype, get_device, synchronize
 
 Clock = Callable[[], float]
@@ -48,18 +49,10 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def _check_counts(repeats: int, warmup: int) -> None:
-    """Raise unless there is at least one timed run and no negative warm-up."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
-
-
 def time_runs(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
               device: torch.device | str | None = None, clock: Clock = time.perf_counter) -> list[float]:
     """Seconds of each of `repeats` timed runs of `fn()`, after `warmup` untimed runs."""
-    _check_counts(repeats, warmup)
+    repeats, warmup = validate.integer("repeats", repeats, low=1), validate.integer("warmup", warmup, low=0)
     for _ in range(warmup):
         fn()
     times = []
@@ -84,7 +77,7 @@ def interleaved_runs(fns: Mapping[K, Callable[[], object]], repeats: int = 5, wa
     Alternating the contenders means a machine whose speed drifts (turbo, thermal
     throttling, a neighbour process) slows all of them alike, so their ratio holds.
     """
-    _check_counts(repeats, warmup)
+    repeats, warmup = validate.integer("repeats", repeats, low=1), validate.integer("warmup", warmup, low=0)
     if not fns:
         raise ValueError("fns is empty: give at least one contender to time")
     for _ in range(warmup):
@@ -107,7 +100,7 @@ def time_interleaved(fns: Mapping[K, Callable[[], object]], repeats: int = 5, wa
 
 def fastest(fn: Callable[[], tuple[float, object]], repeats: int) -> tuple[float, object]:
     """`fn() -> (seconds, payload)`, run `repeats` times; the run with the fewest seconds."""
-    _check_counts(repeats, 0)
+    repeats = validate.integer("repeats", repeats, low=1)
     return min((fn() for _ in range(repeats)), key=lambda r: r[0])
 
 
@@ -116,7 +109,7 @@ def measure_bandwidth_gbs(size_mb: int = 256, repeats: int = 5, device: torch.de
                           clock: Clock = time.perf_counter) -> float:
     """Measured memory bandwidth in GB/s (1e9 bytes/s): a large tensor copy reads and writes it."""
     device = torch.device(device) if device is not None else get_device()
-    n = size_mb * 2**20 // 4
+    n = validate.integer("size_mb", size_mb, low=1) * 2**20 // 4
     src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     seconds = time_fn(lambda: dst.copy_(src), repeats=repeats, warmup=2, device=device, clock=clock)
@@ -129,7 +122,7 @@ def measure_matmul_flops(n: int | None = None, dtype: torch.dtype | None = None,
     """Measured FLOP/s of a square n x n matrix product: the device's practical compute peak."""
     device = torch.device(device) if device is not None else get_device()
     dtype = dtype or default_dtype(device)
-    n = n or (4096 if device.type == "cuda" else 1024)
+    n = validate.integer("n", n, low=1, allow_none=True) or (4096 if device.type == "cuda" else 1024)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     seconds = time_fn(lambda: a @ b, repeats=repeats, warmup=2, device=device, clock=clock)
@@ -175,7 +168,9 @@ def time_prefill(model, prompt_len: int, batch_size: int = 1, repeats: int = 3,
     """Median seconds of one prefill of `prompt_len` random tokens per sequence, cache included."""
     from .generate import prefill
     from .kv_cache import KVCache
-    ids = _random_ids(model, _positive_int("batch_size", batch_size), _positive_int("prompt_len", prompt_len))
+    batch_size = validate.integer("batch_size", batch_size, low=1)
+    prompt_len = validate.integer("prompt_len", prompt_len, low=1)
+    ids = _random_ids(model, batch_size, prompt_len)
     cache = KVCache.for_model(model, batch_size, prompt_len)
     return time_fn(lambda: prefill(model, ids, cache), repeats=repeats, warmup=1, device=ids.device, clock=clock)
 
@@ -186,8 +181,11 @@ def time_decode_step(model, batch_size: int = 1, context_len: int = 32, steps: i
     """Median seconds of one decode step (batch_size new tokens) after `context_len` cached positions."""
     from .generate import decode_one_token, prefill
     from .kv_cache import KVCache
-    ids = _random_ids(model, _positive_int("batch_size", batch_size), _positive_int("context_len", context_len))
-    cache = KVCache.for_model(model, batch_size, context_len + _positive_int("steps", steps))
+    batch_size = validate.integer("batch_size", batch_size, low=1)
+    context_len = validate.integer("context_len", context_len, low=1)
+    steps = validate.integer("steps", steps, low=1)
+    ids = _random_ids(model, batch_size, context_len)
+    cache = KVCache.for_model(model, batch_size, context_len + steps)
     token = prefill(model, ids, cache).argmax(-1, keepdim=True)                      # (B, 1)
 
     def run_steps():
@@ -207,8 +205,9 @@ def time_cached_passes(model, sizes: Sequence[int] = (1, 2, 3, 5, 9), context_le
     """
     from .generate import prefill
     from .kv_cache import KVCache
-    sizes = [_positive_int("n", n) for n in sizes]
-    ids = _random_ids(model, 1, _positive_int("context_len", context_len) + max(sizes))
+    sizes = validate.integers("sizes", sizes, low=1)
+    context_len = validate.integer("context_len", context_len, low=1)
+    ids = _random_ids(model, 1, context_len + max(sizes))
     cache = KVCache.for_model(model, 1, context_len + max(sizes))
     prefill(model, ids[:, :context_len], cache)
 

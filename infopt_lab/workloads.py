@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import functools
 import random
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +22,9 @@ from . import validate
 def skewed_lengths(n: int, short: tuple[int, int] = (8, 32), long: tuple[int, int] = (160, 256),
                    long_share: float = 0.125, seed: int = 0) -> list[int]:
     """Output lengths where most requests are short and a few are long, in a shuffled order."""
+    n, long_share = validate.integer("n", n, low=0), validate.real("long_share", long_share, low=0, high=1)
+    short = validate.integers("short", short, low=1, length=2)
+    long = validate.integers("long", long, low=1, length=2)
     rng = random.Random(seed)
     n_long = max(1, round(n * long_share)) if n > 1 else 0
     lengths = [rng.randint(*long) for _ in range(n_long)] + [rng.randint(*short) for _ in range(n - n_long)]
@@ -32,8 +34,7 @@ def skewed_lengths(n: int, short: tuple[int, int] = (8, 32), long: tuple[int, in
 
 def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     """Arrival times (seconds) of n requests arriving at random at `rate_per_s` on average."""
-    if rate_per_s <= 0:
-        raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+    n, rate_per_s = validate.integer("n", n, low=0), validate.real("rate_per_s", rate_per_s, low=0, low_open=True)
     rng = random.Random(seed)
     t, times = 0.0, []
     for _ in range(n):
@@ -140,13 +141,9 @@ def agentic_workload(tok, sessions: int = 16, turns: int = 3, system_tokens: int
 
 def _user_range(user_tokens, most: int) -> tuple[int, int]:
     """(lo, hi) with 1 <= lo <= hi <= most, else a clear error."""
-    allowed = f"a pair (lo, hi) with 1 <= lo <= hi <= {most}"
-    if isinstance(user_tokens, (str, bytes)) or not isinstance(user_tokens, Seq) or len(user_tokens) != 2:
-        raise ValueError(f"user_tokens must be {allowed}, got {user_tokens!r}")
-    lo = validate.integer("user_tokens[0]", user_tokens[0], low=1, high=most)
-    hi = validate.integer("user_tokens[1]", user_tokens[1], low=1, high=most)
+    lo, hi = validate.integers("user_tokens", user_tokens, low=1, high=most, length=2)
     if lo > hi:
-        raise ValueError(f"user_tokens must be {allowed}, got {user_tokens!r}")
+        raise ValueError(f"user_tokens must be a pair (lo, hi) with 1 <= lo <= hi <= {most}, got {user_tokens!r}")
     return lo, hi
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random model in the bundled format, and the bundled models.
 
-Also the one switch the kernel tests need: Triton's interpreter on a machine without CUDA.
+Also the one switch the kernel tests need: Triton's interpreter on a machine without CUDA, and the
+hypothesis profile every property-based suite runs under.
 """
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ import shutil
 
 import pytest
 import torch  # torch does not import triton, so asking it about CUDA here is still early enough
+from hypothesis import settings
+
+# Hypothesis profiles. "ci", loaded by default (CI and a laptop alike), draws the same examples on every run
+# (derandomize=True: seeded by a hash of each test) and keeps no example database, so a red CI run is replayed
+# exactly by running the same test again; print_blob=True prints the failing example's @reproduce_failure blob.
+# HYPOTHESIS_PROFILE=explore draws new random examples each run (still printing the blob) to hunt for new bugs;
+# HYPOTHESIS_PROFILE=default is hypothesis' own. Only these settings come from the profile: each test keeps its
+# own max_examples, deadline and health checks (`@settings(...)` in the test file overrides just those). This
+# file is imported before any test module, so their `settings(...)` objects inherit the profile loaded here.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Triton reads TRITON_INTERPRET once, when triton itself is first imported; kernels defined after an import
 # without it can only be compiled for a GPU, and on a CPU every kernel test would fail. pytest imports this

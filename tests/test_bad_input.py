@@ -53,6 +53,11 @@ def within_limit(fn, *args, **kwargs):
     return ("error", box["error"]) if "error" in box else ("ok", box["ok"])
 
 
+def asked_length(max_new_tokens) -> int:
+    """The tokens a request asked for: max_new_tokens=None means "not given", SamplingParams' default."""
+    return lab.SamplingParams().max_new_tokens if max_new_tokens is None else max_new_tokens
+
+
 def clear_error(outcome, *names: str) -> bool:
     """True for a ValueError/TypeError naming one of the arguments; any other exception fails the test."""
     kind, value = outcome
@@ -84,7 +89,7 @@ def test_generate_returns_what_it_was_asked_or_names_the_argument(tiny, prompt, 
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_at_eos=False)
     outcome = within_limit(lab.generate, model, tok, prompt, **kw)
     if not clear_error(outcome, "prompt", "max_new_tokens", "temperature"):
-        assert len(outcome[1].token_ids) == max_new_tokens
+        assert len(outcome[1].token_ids) == asked_length(max_new_tokens)
 
 
 @SLOW
@@ -111,7 +116,7 @@ def test_engine_generate_fails_cleanly_and_stays_usable(tiny, prompts, max_new_t
     outcome = within_limit(engine.generate, prompts, **kw)
     if not clear_error(outcome, "max_new_tokens", "arrival_s", "temperature", "seed", "prompt"):
         assert len(outcome[1]) == len(prompts)
-        assert all(o.error or len(o.token_ids) == max_new_tokens for o in outcome[1])
+        assert all(o.error or len(o.token_ids) == asked_length(max_new_tokens) for o in outcome[1])
     assert engine.blocks.num_free == engine.blocks.capacity and not engine.has_unfinished()
     again = engine.generate(["x = 1"], max_new_tokens=3, stop_at_eos=False)
     fresh = lab.Engine(model, tok, max_batch_size=2, block_size=4, num_blocks=40).generate(
@@ -128,7 +133,7 @@ def test_speculative_generate_checks_k_and_sampling(tiny, k, max_new_tokens, tem
     outcome = within_limit(sp.speculative_generate, model, model, ids, k=k, max_new_tokens=max_new_tokens,
                            temperature=temperature)
     if not clear_error(outcome, "k must", "max_new_tokens", "temperature"):
-        assert len(outcome[1].token_ids) == max_new_tokens
+        assert len(outcome[1].token_ids) == asked_length(max_new_tokens)
 
 
 probs_rows = st.lists(st.one_of(st.floats(-1, 2), st.just(float("nan")), st.just(0.25)), min_size=4, max_size=4)

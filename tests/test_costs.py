@@ -33,19 +33,27 @@ def test_kv_cache_bytes_of_a_7b_model_with_and_without_gqa():
     assert lab.kv_cache_bytes(costs.llama_7b(), 4096, batch_size=16, bytes_per_element=0.5) == 8 * GiB
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(seq_len=0), "seq_len must be a positive integer"),
-    (dict(seq_len=-4), "seq_len must be a positive integer"),
-    (dict(seq_len=2.5), "seq_len must be a positive integer"),
-    (dict(batch_size=0), "batch_size must be a positive integer"),
-    (dict(batch_size=-1), "batch_size must be a positive integer"),
-    (dict(bytes_per_element=0), "bytes_per_element must be a positive number"),
-    (dict(bytes_per_element=-2), "bytes_per_element must be a positive number"),
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(seq_len=0), ValueError, "seq_len must be an integer >= 1, got 0"),
+    (dict(seq_len=-4), ValueError, "seq_len must be an integer >= 1, got -4"),
+    (dict(seq_len=2.5), TypeError, "seq_len must be an integer >= 1, got 2.5"),      # a wrong type
+    (dict(seq_len=True), TypeError, "seq_len must be an integer >= 1, got True"),
+    (dict(batch_size=0), ValueError, "batch_size must be an integer >= 1"),
+    (dict(batch_size=-1), ValueError, "batch_size must be an integer >= 1"),
+    (dict(bytes_per_element=0), ValueError, "bytes_per_element must be a finite number > 0, got 0"),
+    (dict(bytes_per_element=-2), ValueError, "bytes_per_element must be a finite number > 0"),
+    (dict(bytes_per_element=float("inf")), ValueError, "bytes_per_element must be a finite number > 0"),
+    (dict(bytes_per_element="2"), TypeError, "bytes_per_element must be a finite number > 0"),
 ])
-def test_kv_cache_bytes_rejects_bad_input(kwargs, message):
+def test_kv_cache_bytes_rejects_bad_input(kwargs, error, message):
     args = {"seq_len": 16, "batch_size": 1, "bytes_per_element": 2, **kwargs}
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         lab.kv_cache_bytes(lab.get_preset("target"), **args)
+
+
+def test_kv_cache_bytes_names_a_config_that_is_not_one():
+    with pytest.raises(TypeError, match="config must be a lab.ModelConfig"):
+        lab.kv_cache_bytes({"n_layers": 2}, 16)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "target", "draft"])
@@ -122,21 +130,24 @@ def test_matvec_and_matmul_intensity():
     assert lab.arithmetic_intensity(3, 5, 7, 4) == 2 * 3 * 5 * 7 / ((15 + 35 + 21) * 4)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda c: lab.forward_cost(c, batch_size=0), "batch_size must be a positive integer"),
-    (lambda c: lab.forward_cost(c, seq_len=0), "seq_len must be a positive integer"),
-    (lambda c: lab.forward_cost(c, past_len=-1), "past_len must be an integer >= 0"),
-    (lambda c: lab.forward_cost(c, past_len=3, use_cache=False), "needs use_cache=True"),
-    (lambda c: lab.forward_cost(c, bytes_per_param=0), "bytes_per_param must be a positive number"),
-    (lambda c: lab.forward_cost(c, bytes_per_element=-1), "bytes_per_element must be a positive number"),
-    (lambda c: lab.prefill_cost(c, 0), "seq_len must be a positive integer"),
-    (lambda c: lab.decode_cost(c, 0), "context_len must be a positive integer"),
-    (lambda c: lab.generation_cost(c, 8, 0), "new_tokens must be a positive integer"),
-    (lambda c: lab.arithmetic_intensity(0, 4, 4), "m must be a positive integer"),
-    (lambda c: lab.arithmetic_intensity(4, 4, 4, 0), "bytes_per_element must be a positive number"),
+@pytest.mark.parametrize("call, error, message", [
+    (lambda c: lab.forward_cost(c, batch_size=0), ValueError, "batch_size must be an integer >= 1"),
+    (lambda c: lab.forward_cost(c, seq_len=0), ValueError, "seq_len must be an integer >= 1"),
+    (lambda c: lab.forward_cost(c, past_len=-1), ValueError, "past_len must be an integer >= 0"),
+    (lambda c: lab.forward_cost(c, past_len=1.0), TypeError, "past_len must be an integer >= 0, got 1.0"),
+    (lambda c: lab.forward_cost(c, past_len=3, use_cache=False), ValueError, "needs use_cache=True"),
+    (lambda c: lab.forward_cost(c, bytes_per_param=0), ValueError, "bytes_per_param must be a finite number > 0"),
+    (lambda c: lab.forward_cost(c, bytes_per_element=-1), ValueError, "bytes_per_element must be a finite number > 0"),
+    (lambda c: lab.forward_cost(c.to_dict()), TypeError, "config must be a lab.ModelConfig"),
+    (lambda c: lab.prefill_cost(c, 0), ValueError, "seq_len must be an integer >= 1"),
+    (lambda c: lab.decode_cost(c, 0), ValueError, "context_len must be an integer >= 1"),
+    (lambda c: lab.generation_cost(c, 8, 0), ValueError, "new_tokens must be an integer >= 1"),
+    (lambda c: lab.generation_cost(c, 8, 2, use_cache=1), TypeError, "use_cache must be True or False"),
+    (lambda c: lab.arithmetic_intensity(0, 4, 4), ValueError, "m must be an integer >= 1"),
+    (lambda c: lab.arithmetic_intensity(4, 4, 4, 0), ValueError, "bytes_per_element must be a finite number > 0"),
 ])
-def test_cost_model_rejects_bad_input(call, message):
-    with pytest.raises(ValueError, match=message):
+def test_cost_model_rejects_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
         call(lab.get_preset("tiny"))
 
 
@@ -149,8 +160,10 @@ def test_roofline_bound_and_ridge():
     assert roof.bound(decode) == "memory" and roof.time(decode) == decode.bytes / 10e9
     big_prefill = lab.prefill_cost(config, 1000)
     assert roof.bound(big_prefill) == "compute" and roof.time(big_prefill) == big_prefill.flops / 100e9
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="peak_flops must be a finite number > 0, got 0"):
         lab.Roofline(peak_flops=0, bandwidth=1e9)
+    with pytest.raises(ValueError, match="bandwidth must be a finite number > 0, got inf"):
+        lab.Roofline(peak_flops=1e12, bandwidth=float("inf"))
 
 
 def test_kv_comparison_gives_identical_tokens_on_a_tiny_model():
@@ -178,5 +191,5 @@ def test_kv_prompt_must_fit_the_text():
             return list(range(len(text)))
 
     assert bench.kv_prompt_ids(Tok(), 32).shape == (1, 32)
-    with pytest.raises(ValueError, match="prompt_tokens must be between 1 and"):
+    with pytest.raises(ValueError, match="prompt_tokens must be an integer in \\[1, "):
         bench.kv_prompt_ids(Tok(), 0)

@@ -21,7 +21,7 @@ def test_test_suites_are_left_out():
 
 def test_bad_split_name():
     import pytest
-    with pytest.raises(ValueError, match="'train', 'val' or 'all'"):
+    with pytest.raises(ValueError, match=r"split must be one of \('train', 'val', 'all'\), got 'dev'"):
         data.corpus_files("dev")
 
 

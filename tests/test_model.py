@@ -71,7 +71,7 @@ def test_untied_grouped_query_model_matches_transformers(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dim=100, n_heads=3), "divisible by n_heads"),
     (dict(n_heads=4, n_kv_heads=3), "multiple of n_kv_heads"),
-    (dict(n_layers=0), "n_layers must be a positive integer"),
+    (dict(n_layers=0), "n_layers must be an integer >= 1, got 0"),
 ])
 def test_config_rejects_bad_shapes(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -75,3 +75,23 @@ def test_seeded_sampling_follows_the_distribution():
     draws = torch.stack([sample(LOGITS, params, g) for _ in range(4000)]).flatten()
     freq = torch.bincount(draws, minlength=5).float() / len(draws)
     torch.testing.assert_close(freq, LOGITS.softmax(-1)[0], atol=0.03, rtol=0)
+
+
+def test_max_new_tokens_none_means_not_given():
+    """None is the default length in SamplingParams, and no override in sampling_params (the engine's rule too)."""
+    from infopt_lab.sampling import DEFAULT_MAX_NEW_TOKENS, sampling_params
+    assert SamplingParams(max_new_tokens=None).max_new_tokens == DEFAULT_MAX_NEW_TOKENS == SamplingParams().max_new_tokens
+    assert sampling_params(None, max_new_tokens=None) == SamplingParams()
+    assert sampling_params(SamplingParams(max_new_tokens=5), max_new_tokens=None, top_k=2).max_new_tokens == 5
+
+
+def test_stop_settings_are_checked():
+    assert SamplingParams(stop_token_ids=[3, 5]).stop_token_ids == (3, 5)
+    with pytest.raises(TypeError, match="stop_token_ids must be a list of integers, got int"):
+        SamplingParams(stop_token_ids=3)
+    with pytest.raises(TypeError, match=r"stop_token_ids must hold integers >= 0, got \[1.5\]"):
+        SamplingParams(stop_token_ids=[1.5])
+    with pytest.raises(ValueError, match=r"stop_token_ids must hold integers >= 0, got \[-1\]"):
+        SamplingParams(stop_token_ids=[-1])
+    with pytest.raises(TypeError, match="stop_at_eos must be True or False, got 1"):
+        SamplingParams(stop_at_eos=1)

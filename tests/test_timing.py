@@ -89,15 +89,17 @@ def test_fastest_keeps_the_quickest_run_with_its_payload():
     assert timing.fastest(lambda: next(results), repeats=3) == (0.1, "second")
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: timing.time_runs(lambda: None, repeats=0), "repeats must be >= 1, got 0"),
-    (lambda: timing.time_fn(lambda: None, warmup=-1), "warmup must be >= 0, got -1"),
-    (lambda: timing.interleaved_runs({}, repeats=2), "fns is empty"),
-    (lambda: timing.fastest(lambda: (0.0, None), repeats=0), "repeats must be >= 1"),
-    (lambda: timing.median([]), "median of an empty list"),
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: timing.time_runs(lambda: None, repeats=0), ValueError, "repeats must be an integer >= 1, got 0"),
+    (lambda: timing.time_fn(lambda: None, warmup=-1), ValueError, "warmup must be an integer >= 0, got -1"),
+    (lambda: timing.time_fn(lambda: None, repeats=2.0), TypeError, "repeats must be an integer >= 1, got 2.0"),
+    (lambda: timing.interleaved_runs({}, repeats=2), ValueError, "fns is empty"),
+    (lambda: timing.interleaved_runs({"a": lambda: None}, warmup=True), TypeError, "warmup must be an integer >= 0"),
+    (lambda: timing.fastest(lambda: (0.0, None), repeats=0), ValueError, "repeats must be an integer >= 1"),
+    (lambda: timing.median([]), ValueError, "median of an empty list"),
 ])
-def test_timing_rejects_bad_input(call, message):
-    with pytest.raises(ValueError, match=message):
+def test_timing_rejects_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
         call()
 
 
@@ -152,13 +154,15 @@ def test_time_decode_step_is_a_run_of_steps_divided_by_their_number(tiny_model):
     assert calls == [(2, 8)] + [(2, 1)] * 3 * 3      # the prefill, then warm-up + two timed runs of 3 steps
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda m: timing.time_prefill(m, 0), "prompt_len must be a positive integer"),
-    (lambda m: timing.time_decode_step(m, batch_size=0), "batch_size must be a positive integer"),
-    (lambda m: timing.time_decode_step(m, steps=0), "steps must be a positive integer"),
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: timing.time_prefill(m, 0), ValueError, "prompt_len must be an integer >= 1, got 0"),
+    (lambda m: timing.time_prefill(m, 8.0), TypeError, "prompt_len must be an integer >= 1, got 8.0"),
+    (lambda m: timing.time_decode_step(m, batch_size=0), ValueError, "batch_size must be an integer >= 1"),
+    (lambda m: timing.time_decode_step(m, steps=0), ValueError, "steps must be an integer >= 1"),
+    (lambda m: timing.time_cached_passes(m, sizes=(1, 0)), ValueError, r"sizes must hold integers >= 1, got \[0\]"),
 ])
-def test_timed_passes_reject_bad_input(tiny_model, call, message):
-    with pytest.raises(ValueError, match=message):
+def test_timed_passes_reject_bad_input(tiny_model, call, error, message):
+    with pytest.raises(error, match=message):
         call(tiny_model)
 
 

@@ -122,8 +122,7 @@ class BlockManager:
         """A block table for a new sequence holding num_tokens tokens, its first blocks the cached `hit` ones."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already holds blocks; use append")
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        num_tokens = validate.integer("num_tokens", num_tokens, low=1)
         if len(hit) * self.block_size >= num_tokens:
             raise ValueError(f"{len(hit)} cached blocks leave none of {num_tokens} tokens to compute")
         if not self.can_allocate(list(hit), num_tokens):

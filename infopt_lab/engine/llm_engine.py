@@ -80,10 +80,8 @@ class LLMEngine:
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, draft=None,
                  num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto", cascade_attention: bool = False):
         validate.model("model", model)
-        if scheduler not in POLICIES:
-            raise ValueError(f"scheduler must be one of {tuple(POLICIES)}, got {scheduler!r}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        validate.choice("scheduler", scheduler, POLICIES)
+        validate.choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self.model, self.tok, self.kv_cache_dtype = model, tok, kv_cache_dtype
         self.max_seq_len = model.config.max_seq_len
         self.max_batch_size = validate.integer("max_batch_size", max_batch_size, low=1)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import validate
 from ..metrics import percentiles
 from ..sampling import SamplingParams, sampling_params
 from ..workloads import AgenticWorkload, Session, agentic_workload  # noqa: F401  (re-exported: their old home)
@@ -56,10 +57,8 @@ def run_sessions(engine: Engine, workload: AgenticWorkload, params: SamplingPara
     `params` sets how tokens are picked (greedy by default); every turn asks for `workload.new_tokens`.
     A refused turn ends its session. The engine must hold no unfinished request; it is reset first.
     """
-    if not isinstance(engine, Engine):
-        raise TypeError(f"engine must be a lab.Engine, got {type(engine).__name__}")
-    if not isinstance(workload, AgenticWorkload):
-        raise TypeError(f"workload must be an AgenticWorkload (from agentic_workload), got {type(workload).__name__}")
+    validate.instance("engine", engine, Engine, "a lab.Engine")
+    validate.instance("workload", workload, AgenticWorkload, "an AgenticWorkload (from agentic_workload)")
     params = sampling_params(params, max_new_tokens=workload.new_tokens)
     system = list(workload.system_ids)
     turn_of: dict[int, tuple[int, int]] = {}        # request id -> (session, turn)

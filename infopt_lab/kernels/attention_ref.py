@@ -23,18 +23,15 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .. import validate
 from ..attention import causal_mask
 
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
     """Raise TypeError or ValueError naming the first type, shape, dtype or device mismatch."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor [B, H, N, D], got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+        validate.tensor(name, x, floating=True)          # [B, H, N, D], checked below
+    validate.boolean("causal", causal)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape != v.shape:

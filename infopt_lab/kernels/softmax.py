@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import validate
 from ..device import HAS_TRITON
 from . import require_interpreter
 
@@ -67,11 +68,12 @@ def softmax_triton(x: Tensor, block: int = 16, verbose: bool = False) -> Tensor:
     """Softmax over the last dim of a 2-D tensor with the streaming kernel (interpreted on a CPU)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed here; use torch.softmax")
+    validate.tensor("x", x)
     if x.device.type != "cuda":
         require_interpreter()
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be a 2-D tensor contiguous in its last dim, got shape {tuple(x.shape)}")
-    if block < 1 or block & (block - 1):
+    if validate.integer("block", block, low=1) & (block - 1):
         raise ValueError(f"block must be a power of two, got {block}")
     y = torch.empty_like(x)
     _softmax_rows_kernel[(x.shape[0],)](x, y, x.stride(0), y.stride(0), x.shape[1], BLOCK=block, VERBOSE=verbose)
