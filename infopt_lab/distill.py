@@ -209,5 +209,6 @@ def draft_acceptance(target, draft, tok, prompts, k: int = 4, new_tokens: int = 
     rounds = []
     for p in prompts:
         ids = torch.tensor([tok.encode(p)], device=next(target.parameters()).device)
-        rounds += speculative_generate(target, draft, ids, k=k, max_new_tokens=new_tokens).rounds
+        rounds += speculative_generate(target, draft, ids, k=k, max_new_tokens=new_tokens,
+                                       stop_at_eos=False).rounds
     return SpeculativeOutput([], k, rounds, 0, 0, 0.0).acceptance_rate

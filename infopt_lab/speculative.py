@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import validate
 from .device import synchronize
-from .generate import Decoder
+from .generate import Decoder, finish_tokens
 from .sampling import SamplingParams, check_request, draw, logits_to_probs, make_generator, sample, sampling_params
 
 
@@ -166,11 +166,10 @@ def _check_pair(target, draft, input_ids: Tensor, params: SamplingParams, k) -> 
     return k
 
 
-def _finish(out: list[int], params: SamplingParams, stops: frozenset[int]) -> list[int]:
-    """Cut the tokens at max_new_tokens and after the first stop token."""
-    out = out[:params.max_new_tokens]
-    first_stop = next((i for i, t in enumerate(out) if t in stops), None)
-    return out if first_stop is None else out[:first_stop + 1]
+def _stop_ids(target, params: SamplingParams, eos_id: int | None) -> frozenset[int]:
+    """The tokens that end the output: the request's stop ids and, unless `stop_at_eos=False`, the target's EOS
+    (`eos_id`, else the one its config names: the token `lab.generate` and the engine stop at)."""
+    return params.stop_ids(target.config.eos_token_id if eos_id is None else eos_id)
 
 
 def _propose(drf: Decoder, pending: list[int], k: int, params: SamplingParams,
@@ -202,16 +201,17 @@ def speculative_generate(target, draft, input_ids: Tensor, params: SamplingParam
     tgt, drf = Decoder(target, 1, capacity), Decoder(draft, 1, capacity)
     generator = make_generator(params.seed, input_ids.device)
     coins = make_generator(None if params.seed is None else params.seed + 1, input_ids.device)
-    stops = params.stop_ids(eos_id)
+    stops = _stop_ids(target, params, eos_id)
     synchronize(input_ids.device)
     start = time.perf_counter()
-    out = [int(sample(_feed(tgt, prompt)[-1], params, generator))]   # the target's prefill gives the first token
+    out, done = finish_tokens([int(sample(_feed(tgt, prompt)[-1], params, generator))], 0,  # the target's prefill
+                              params.max_new_tokens, stops)                                 # gives the first token
     if len(prompt) > 1:
         _feed(drf, prompt[:-1])
     pending = [prompt[-1], out[0]]                    # tokens the draft has not seen yet
     rounds: list[Round] = []
     draft_s = verify_s = 0.0        # each phase ends by reading token ids on the host, so its time is its own
-    while len(out) < params.max_new_tokens and not stops.intersection(out):
+    while not done:
         t0 = time.perf_counter()
         proposed, q = _propose(drf, pending, k, params, generator)
         t1 = time.perf_counter()
@@ -229,10 +229,11 @@ def speculative_generate(target, draft, input_ids: Tensor, params: SamplingParam
         else:
             pending = [proposed[-1], emitted[-1]]     # d_k and the bonus token are new to the draft
         rounds.append(Round(proposed, accepted, emitted))
-        out += emitted
+        kept, done = finish_tokens(emitted, len(out), params.max_new_tokens, stops)   # generate's rule, per round
+        out += kept
     synchronize(input_ids.device)
-    return SpeculativeOutput(_finish(out, params, stops), k, rounds, tgt.forwards, drf.forwards,
-                             time.perf_counter() - start, draft_s, verify_s)
+    return SpeculativeOutput(out, k, rounds, tgt.forwards, drf.forwards, time.perf_counter() - start,
+                             draft_s, verify_s)
 
 
 def lookup_draft(context: list[int], k: int = 4, max_ngram: int = 3) -> list[int]:
@@ -255,18 +256,18 @@ def prompt_lookup_generate(target, input_ids: Tensor, params: SamplingParams | N
     max_ngram = validate.integer("max_ngram", max_ngram, low=1)
     prompt = input_ids[0].tolist()
     tgt = Decoder(target, 1, len(prompt) + params.max_new_tokens + k + 1)
-    stops = params.stop_ids(eos_id)
+    stops = _stop_ids(target, params, eos_id)
     synchronize(input_ids.device)
     start = time.perf_counter()
-    out = [int(sample(_feed(tgt, prompt)[-1], params))]
+    out, done = finish_tokens([int(sample(_feed(tgt, prompt)[-1], params))], 0, params.max_new_tokens, stops)
     rounds: list[Round] = []
-    while len(out) < params.max_new_tokens and not stops.intersection(out):
+    while not done:
         proposed = lookup_draft(prompt + out, k, max_ngram)
         p_logits = _feed(tgt, [out[-1]] + proposed)
         emitted, accepted = verify_greedy(proposed, sample(p_logits, params).tolist())
         tgt.rollback(len(proposed) - accepted)
         rounds.append(Round(proposed, accepted, emitted))
-        out += emitted
+        kept, done = finish_tokens(emitted, len(out), params.max_new_tokens, stops)
+        out += kept
     synchronize(input_ids.device)
-    return SpeculativeOutput(_finish(out, params, stops), k, rounds, tgt.forwards, 0,
-                             time.perf_counter() - start)
+    return SpeculativeOutput(out, k, rounds, tgt.forwards, 0, time.perf_counter() - start)

@@ -236,7 +236,7 @@ def speculative_explorer(target, draft, tok, prompt: str, new_tokens: int = 64, 
             base = generate(target, tok, prompt, max_new_tokens=new_tokens, temperature=t_slider.value,
                             stop_at_eos=False)
             run = speculative_generate(target, draft, ids, k=k_slider.value, max_new_tokens=new_tokens,
-                                       temperature=t_slider.value)
+                                       temperature=t_slider.value, stop_at_eos=False)
             print(f"k={k_slider.value}, temperature={t_slider.value:.1f}: acceptance {run.acceptance_rate:.2f}, "
                   f"tokens per target pass {run.tokens_per_pass:.2f} (formula "
                   f"{expected_tokens_per_pass(run.acceptance_rate, k_slider.value):.2f}), "

@@ -1,4 +1,6 @@
 """Speculative decoding: greedy output is the target's, sampling preserves its distribution, the formula holds."""
+import copy
+
 import pytest
 import torch
 
@@ -21,16 +23,71 @@ def pair():
     return target, draft, tok
 
 
-def test_greedy_speculative_equals_target_greedy(pair):
+@pytest.mark.parametrize("stop_at_eos", [True, False])
+def test_greedy_speculative_equals_target_greedy(pair, stop_at_eos):
     target, draft, tok = pair
     assert len(PROMPTS) == 20
     for prompt in PROMPTS:
-        want = lab.generate(target, tok, prompt, max_new_tokens=128, stop_at_eos=False).token_ids
+        want = lab.generate(target, tok, prompt, max_new_tokens=128, stop_at_eos=stop_at_eos).token_ids
         ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
         for k in (1, 2, 4, 8):
-            out = sp.speculative_generate(target, draft, ids, max_new_tokens=128, k=k)
+            out = sp.speculative_generate(target, draft, ids, max_new_tokens=128, k=k, stop_at_eos=stop_at_eos)
             assert out.token_ids == want, (prompt, k)
             assert out.target_forwards == len(out.rounds) + 1          # one pass per round, plus the prefill
+        look = sp.prompt_lookup_generate(target, ids, max_new_tokens=128, k=4, stop_at_eos=stop_at_eos)
+        assert look.token_ids == want, prompt
+
+
+def stops_by_place(run: sp.SpeculativeOutput) -> dict[str, int]:
+    """A token whose first appearance in the output is an accepted draft token, and one whose first is a bonus token."""
+    first, place, n = {}, {}, len(run.token_ids) - sum(len(r.emitted) for r in run.rounds)   # n: the prefill's
+    for r in run.rounds:
+        for i, t in enumerate(r.emitted):
+            if t not in first and t not in run.token_ids[:n]:
+                first[t] = "draft" if i < r.accepted else "bonus"
+            n += 1
+    for t, where in first.items():
+        place.setdefault(where, t)
+    return place
+
+
+@pytest.mark.parametrize("where", ["draft", "bonus"])
+def test_a_stop_token_ends_the_output_where_generate_ends_it(pair, where):
+    """A stop id that speculation meets inside an accepted draft, or as the bonus token, ends the output there."""
+    target, draft, tok = pair
+    for prompt in PROMPTS:
+        ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
+        free = sp.speculative_generate(target, draft, ids, max_new_tokens=64, k=4, stop_at_eos=False)
+        stop = stops_by_place(free).get(where)
+        if stop is None:
+            continue
+        params = lab.SamplingParams(max_new_tokens=64, stop_token_ids=(stop,), stop_at_eos=False)
+        want = lab.generate(target, tok, prompt, params).token_ids
+        assert want[-1] == stop and len(want) < 64
+        assert sp.speculative_generate(target, draft, ids, params, k=4).token_ids == want
+        engine = lab.Engine(target, tok, draft=draft, num_speculative_tokens=4)
+        assert engine.generate([prompt], params)[0].token_ids == want
+        return
+    pytest.fail(f"no prompt put a first-seen token at a {where} position")
+
+
+def test_a_forced_eos_ends_speculation_like_generation(pair):
+    """The target's EOS, read from its config when no eos_id is given, ends speculative output as it ends generate's."""
+    target, draft, tok = pair
+    assert target.config.eos_token_id == tok.eos_token_id
+    forced = copy.deepcopy(target)
+    prompt = PROMPTS[0]
+    free = lab.generate(target, tok, prompt, max_new_tokens=40, stop_at_eos=False).token_ids
+    with torch.no_grad():                    # make the target's 12th token its EOS: swap two rows of its own head
+        a, b = free[11], tok.eos_token_id
+        forced.lm_head.weight = torch.nn.Parameter(forced.lm_head.weight.detach().clone())   # untied if tied
+        forced.lm_head.weight[[a, b]] = forced.lm_head.weight[[b, a]]
+    want = lab.generate(forced, tok, prompt, max_new_tokens=40).token_ids
+    assert want[-1] == tok.eos_token_id and len(want) <= 12
+    ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
+    for k in (1, 2, 3, 5):
+        assert sp.speculative_generate(forced, draft, ids, max_new_tokens=40, k=k).token_ids == want, k
+    assert sp.prompt_lookup_generate(forced, ids, max_new_tokens=40, k=3).token_ids == want
 
 
 def test_tokens_per_pass_follow_the_formula(pair):
@@ -124,3 +181,19 @@ def test_a_run_splits_its_time_into_proposing_and_verifying(pair):
     out = lab.speculative_generate(target, draft, x, max_new_tokens=24, k=3)
     assert out.draft_s > 0 and out.verify_s > 0
     assert out.draft_s + out.verify_s < out.wall_s                # the prefill and the bookkeeping are neither
+
+
+def test_smollm2_speculation_stops_at_the_eos_generate_stops_at():
+    """The real pair, fp32: on a prompt whose answer ends inside the window, every path ends where generate does."""
+    target, tok = lab.load_model("smollm2-135m", dtype=torch.float32)
+    draft, _ = lab.load_model("smollm2-135m-draft", dtype=torch.float32)
+    prompt = "def read_config(path):\n    with open(path) as f:"
+    params = lab.SamplingParams(max_new_tokens=96, temperature=0.0)
+    want = lab.generate(target, tok, prompt, params).token_ids
+    assert want[-1] == tok.eos_token_id and len(want) < 96          # the end-of-sequence token inside the window
+    ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
+    for k in (1, 2, 3):
+        assert sp.speculative_generate(target, draft, ids, params, k=k).token_ids == want, k
+    assert sp.prompt_lookup_generate(target, ids, params, k=3).token_ids == want
+    engine = lab.Engine(target, tok, max_batch_size=2, max_model_len=256, draft=draft, num_speculative_tokens=3)
+    assert engine.generate([prompt], params)[0].token_ids == want

@@ -78,7 +78,8 @@ def speculative_runs(target, draft, tok, prompts, new_tokens: int = 128, ks=(1, 
     runs = {"target": target_only_run(target, tok, prompts, new_tokens, repeats)}
     for k in ks:
         def spec(k=k):
-            outs = [speculative_generate(target, draft, x, max_new_tokens=new_tokens, k=k) for x in ids]
+            outs = [speculative_generate(target, draft, x, max_new_tokens=new_tokens, k=k, stop_at_eos=False)
+                    for x in ids]
             return sum(o.wall_s for o in outs), outs
         secs, outs = fastest(spec, repeats)
         agg = SpeculativeOutput([], k, [r for o in outs for r in o.rounds], 0, 0, secs)
@@ -99,7 +100,7 @@ def prompt_lookup_runs(target, tok, prompt: str = REPEAT_PROMPT, new_tokens: int
     x = torch.tensor([tok.encode(prompt)], device=next(target.parameters()).device)
 
     def lookup():
-        o = prompt_lookup_generate(target, x, max_new_tokens=new_tokens, k=k)
+        o = prompt_lookup_generate(target, x, max_new_tokens=new_tokens, k=k, stop_at_eos=False)
         return o.wall_s, o
     runs = {"target": target_only_run(target, tok, [prompt], new_tokens, repeats)}
     secs, o = fastest(lookup, repeats)
