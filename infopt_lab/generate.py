@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import validate
 from .device import synchronize
+from .invariant import invariant
 from .kv_cache import KVCache
 from .metrics import request_metrics
 from .sampling import SamplingParams, check_request, make_generator, sample, sampling_params
@@ -45,8 +46,10 @@ class GenerationOutput:
 class Decoder:
     """A model, its KV cache, and how many positions the cache holds: feed tokens, get logits, roll back."""
 
-    def __init__(self, model, batch_size: int, capacity: int, cache_factory: Callable = KVCache.for_model):
+    def __init__(self, model, batch_size: int, capacity: int, cache_factory: Callable = KVCache.for_model,
+                 batch_invariant: bool = False):
         self.model, self.cache = model, cache_factory(model, batch_size, capacity)
+        self.batch_invariant = batch_invariant   # every row of a feed computed as if it were fed alone
         self.device = next(model.parameters()).device
         self.pos = 0                  # positions written so far
         self.forwards = 0             # model calls made
@@ -58,7 +61,8 @@ class Decoder:
         input_pos = torch.arange(self.pos, self.pos + T, device=self.device)
         self.pos += T
         self.forwards += 1
-        return self.model(tokens, input_pos, self.cache)
+        with invariant(self.batch_invariant):
+            return self.model(tokens, input_pos, self.cache)
 
     def rollback(self, n: int) -> None:
         """Forget the last n positions: later writes overwrite them and attention never reads them."""
@@ -94,17 +98,25 @@ def decode_one_token(model, token: Tensor, pos: int, cache) -> Tensor:
 
 
 @torch.inference_mode()
+def recompute(model, ids: Tensor, batch_invariant: bool = False) -> Tensor:
+    """Logits [B, T, V] of the whole sequence, no cache kept (the recomputation notebook 01 measures)."""
+    with invariant(batch_invariant):
+        return model(ids)
+
+
+@torch.inference_mode()
 def generate_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache: bool = True,
-                    eos_id: int | None = None, cache_factory: Callable = KVCache.for_model) -> Iterator[Tensor]:
+                    eos_id: int | None = None, cache_factory: Callable = KVCache.for_model,
+                    batch_invariant: bool = False) -> Iterator[Tensor]:
     """Yield the next token of every sequence [B], one step at a time (a single sequence stops at a stop id)."""
     B, T = input_ids.shape
     for row in input_ids.tolist():
         check_request(row, params, model.config)
     stops = params.stop_ids(eos_id)
     generator = make_generator(params.seed, input_ids.device)
-    decoder = Decoder(model, B, T + params.max_new_tokens, cache_factory) if use_cache else None
+    decoder = Decoder(model, B, T + params.max_new_tokens, cache_factory, batch_invariant) if use_cache else None
     seq = input_ids
-    logits = (decoder.feed(input_ids) if use_cache else model(input_ids))[:, -1]   # (B, V)
+    logits = (decoder.feed(input_ids) if use_cache else recompute(model, input_ids, batch_invariant))[:, -1]  # (B, V)
     for i in range(params.max_new_tokens):
         token = sample(logits, params, generator)                      # (B,)
         yield token
@@ -117,11 +129,12 @@ def generate_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache:
             logits = decoder.feed(token[:, None])[:, -1]
         else:
             seq = torch.cat([seq, token[:, None]], dim=1)              # (B, T + i + 1)
-            logits = model(seq)[:, -1]                                 # recompute everything
+            logits = recompute(model, seq, batch_invariant)[:, -1]     # recompute everything
 
 
 def timed_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache: bool = True,
-                 eos_id: int | None = None, cache_factory: Callable = KVCache.for_model) -> Iterator[tuple[int, float]]:
+                 eos_id: int | None = None, cache_factory: Callable = KVCache.for_model,
+                 batch_invariant: bool = False) -> Iterator[tuple[int, float]]:
     """Yield each new token of one sequence [1, T] and when it was ready, in seconds from the start.
 
     The one timed decode loop: the device is waited for before the clock starts and before each reading,
@@ -129,7 +142,7 @@ def timed_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache: bo
     """
     synchronize(input_ids.device)
     start = time.perf_counter()
-    for token in generate_tokens(model, input_ids, params, use_cache, eos_id, cache_factory):
+    for token in generate_tokens(model, input_ids, params, use_cache, eos_id, cache_factory, batch_invariant):
         synchronize(input_ids.device)
         yield int(token[0]), time.perf_counter() - start
 
@@ -144,12 +157,18 @@ def encode_prompt(model, tok, prompt: str) -> Tensor:
 
 
 def generate(model, tok, prompt: str, params: SamplingParams | None = None, *, use_cache: bool = True,
-             **overrides) -> GenerationOutput:
-    """Complete one prompt and time it: text, tokens, TTFT, TPOT, tokens/s. Keyword overrides: SamplingParams fields."""
+             batch_invariant: bool = False, **overrides) -> GenerationOutput:
+    """Complete one prompt and time it: text, tokens, TTFT, TPOT, tokens/s. Keyword overrides: SamplingParams fields.
+
+    `batch_invariant=True` computes every row of a pass as if it were alone (invariant.py), so the tokens
+    equal, bit for bit, what speculative decoding and the engine give in that mode.
+    """
     params = sampling_params(params, **overrides)
     input_ids = encode_prompt(model, tok, prompt)
     new, times = [], []
-    for token, seconds in timed_tokens(model, input_ids, params, use_cache, tok.eos_token_id):
+    batch_invariant = validate.boolean("batch_invariant", batch_invariant)
+    for token, seconds in timed_tokens(model, input_ids, params, use_cache, tok.eos_token_id,
+                                       batch_invariant=batch_invariant):
         new.append(token)
         times.append(seconds)
     m = request_metrics(0.0, times)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from . import validate
+from .invariant import rowwise
 from .quant_format import dequantize, pack_int4, unpack_int4   # the stored format, shared with the int4 kernels
 from .quant_format import (INT4_KERNEL_GROUPS, int4_kernel_group,  # noqa: F401  (re-exported: their old home)
                            pack_int4_for_cpu_kernel)
@@ -184,8 +185,8 @@ class QuantLinear(nn.Module):
         return dequantize(q, self.scales, self.zeros, dtype=self.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        # x: [..., K] -> [..., N], by the path that serves this many rows
-        return self.kernels.pick(x.numel() // self.in_features).forward(x, self)
+        # x: [..., K] -> [..., N], by the path that serves this many rows (one at a time in batch-invariant mode)
+        return quantized_linear(x, self)
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.scheme == "int4" else ""
@@ -250,6 +251,12 @@ def fuse_quantized(model: nn.Module) -> nn.Module:
             len({(l.scheme, l.group_size, l.in_features, l.dtype, l.bias is None) for l in layers}) == 1
         module.fused = QuantFusion(layers) if alike else None
     return model
+
+
+@rowwise
+def quantized_linear(x: Tensor, layer: QuantLinear) -> Tensor:
+    """A quantized layer's product x [..., K] -> [..., N], by the kernel path that serves this many rows."""
+    return layer.kernels.pick(x.numel() // layer.in_features).forward(x, layer)
 
 
 def quantize_linear(linear: nn.Linear, scheme: str, group_size: int | None = None) -> QuantLinear:

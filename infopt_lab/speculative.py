@@ -189,16 +189,20 @@ def _propose(drf: Decoder, pending: list[int], k: int, params: SamplingParams,
 
 
 def speculative_generate(target, draft, input_ids: Tensor, params: SamplingParams | None = None, k: int = 4,
-                         *, eos_id: int | None = None, **overrides) -> SpeculativeOutput:
+                         *, eos_id: int | None = None, batch_invariant: bool = False,
+                         **overrides) -> SpeculativeOutput:
     """Decode with the draft proposing k tokens per round and the target verifying them in one pass.
 
     Keyword overrides are SamplingParams fields (`max_new_tokens=64, temperature=0.8, ...`).
+    `batch_invariant=True`: the k + 1 rows of a verify pass round as k + 1 one-row passes would
+    (invariant.py), so greedy output equals `generate(..., batch_invariant=True)` bit for bit in every dtype.
     """
     params = sampling_params(params, **overrides)
     k = _check_pair(target, draft, input_ids, params, k)
     prompt = input_ids[0].tolist()
     capacity = len(prompt) + params.max_new_tokens + k + 1
-    tgt, drf = Decoder(target, 1, capacity), Decoder(draft, 1, capacity)
+    batch_invariant = validate.boolean("batch_invariant", batch_invariant)
+    tgt, drf = (Decoder(m, 1, capacity, batch_invariant=batch_invariant) for m in (target, draft))
     generator = make_generator(params.seed, input_ids.device)
     coins = make_generator(None if params.seed is None else params.seed + 1, input_ids.device)
     stops = _stop_ids(target, params, eos_id)
@@ -247,7 +251,8 @@ def lookup_draft(context: list[int], k: int = 4, max_ngram: int = 3) -> list[int
 
 
 def prompt_lookup_generate(target, input_ids: Tensor, params: SamplingParams | None = None, k: int = 4,
-                           max_ngram: int = 3, *, eos_id: int | None = None, **overrides) -> SpeculativeOutput:
+                           max_ngram: int = 3, *, eos_id: int | None = None, batch_invariant: bool = False,
+                           **overrides) -> SpeculativeOutput:
     """Greedy speculative decoding with no draft model: proposals are copied from earlier in the context."""
     params = sampling_params(params, **overrides)
     if not params.greedy:
@@ -255,7 +260,8 @@ def prompt_lookup_generate(target, input_ids: Tensor, params: SamplingParams | N
     k = _check_pair(target, None, input_ids, params, k)
     max_ngram = validate.integer("max_ngram", max_ngram, low=1)
     prompt = input_ids[0].tolist()
-    tgt = Decoder(target, 1, len(prompt) + params.max_new_tokens + k + 1)
+    tgt = Decoder(target, 1, len(prompt) + params.max_new_tokens + k + 1,
+                  batch_invariant=validate.boolean("batch_invariant", batch_invariant))
     stops = _stop_ids(target, params, eos_id)
     synchronize(input_ids.device)
     start = time.perf_counter()

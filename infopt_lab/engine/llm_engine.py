@@ -73,12 +73,15 @@ class LLMEngine:
     `cascade_attention=True` reads the blocks that every decoding sequence of a step shares (a system prompt
     under prefix caching) once for all of them, then each sequence's own blocks, and merges the two softmaxes:
     the same attention up to float rounding, with far fewer keys copied per step.
+    `batch_invariant=True` computes every row of a step as if it were alone (invariant.py): a request's tokens
+    are then bit-identical to `lab.generate(..., batch_invariant=True)` whatever else shares its steps.
     """
 
     def __init__(self, model, tok, scheduler: str = "continuous", max_batch_size: int = 8, block_size: int = 16,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, draft=None,
-                 num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto", cascade_attention: bool = False):
+                 num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto", cascade_attention: bool = False,
+                 batch_invariant: bool = False):
         validate.model("model", model)
         validate.choice("scheduler", scheduler, POLICIES)
         validate.choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
@@ -97,8 +100,11 @@ class LLMEngine:
         self.cache = pool.for_model(model, num_blocks, block_size, reserve=(self.max_batch_size, self.max_model_len))
         self.blocks = BlockManager.for_pool(self.cache, enable_prefix_caching)
         self.scheduler = POLICIES[scheduler](self.blocks, self.max_batch_size, budget, k)
-        self.runner = ModelRunner(model, self.cache, self.blocks,
-                                  cascade=validate.boolean("cascade_attention", cascade_attention))
+        cascade = validate.boolean("cascade_attention", cascade_attention)
+        if validate.boolean("batch_invariant", batch_invariant) and cascade:
+            raise ValueError("cascade_attention=True attends a shared prefix for many sequences in one product; "
+                             "batch_invariant=True computes each sequence alone: choose one")
+        self.runner = ModelRunner(model, self.cache, self.blocks, cascade=cascade, batch_invariant=batch_invariant)
         self.speculator = Speculator(self.runner, draft, k, self.blocks, pool) if k else None
         self.device = self.runner.device
         self.sequences: dict[int, Sequence] = {}    # every request added since the clock was reset

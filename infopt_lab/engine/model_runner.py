@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..attention import attend, shared_prefix_attend
 from ..device import HAS_TRITON
+from ..invariant import invariant
 from ..kv_cache import NULL_BLOCK, PagedKVCache, PagedPool
 from .block_manager import BlockManager
 from .scheduler import Batch
@@ -112,12 +113,13 @@ class ModelRunner:
     """Runs a model over packed chunks of many sequences, against a paged pool and its block tables."""
 
     def __init__(self, model, cache: PagedPool, blocks: BlockManager, paged_kernel: bool | None = None,
-                 cascade: bool = False):
+                 cascade: bool = False, batch_invariant: bool = False):
         if blocks.block_size != cache.block_size or blocks.num_blocks != cache.num_blocks:
             raise ValueError(f"the block manager has {blocks.num_blocks} blocks of {blocks.block_size} tokens but "
                              f"the pool {cache.num_blocks} of {cache.block_size}; build it with BlockManager.for_pool")
         self.model, self.cache, self.blocks = model, cache, blocks
         self.cascade = cascade        # attend a prefix every short chunk shares once for all of them
+        self.batch_invariant = batch_invariant   # every row computed as if alone (invariant.py)
         self.device = next(model.parameters()).device
         # the Triton paged decode kernel on CUDA (compiled); the gather path elsewhere unless asked
         if paged_kernel and not HAS_TRITON:
@@ -125,8 +127,11 @@ class ModelRunner:
                                "leave paged_kernel=None for the gather path")
         if paged_kernel and not isinstance(cache, PagedKVCache):
             raise ValueError("paged_kernel=True reads a float pool; this engine's KV pool is quantized")
+        if paged_kernel and batch_invariant:
+            raise ValueError("paged_kernel=True attends many sequences in one kernel; batch_invariant=True needs "
+                             "each query alone")
         self.paged_kernel = (HAS_TRITON and self.device.type == "cuda" and isinstance(cache, PagedKVCache)
-                             if paged_kernel is None else paged_kernel)
+                             and not batch_invariant if paged_kernel is None else paged_kernel)
 
     def execute_model(self, batch: Batch, sample: Sampler) -> dict[Sequence, SeqOutput]:
         """Run a scheduled batch and sample after every chunk that reaches its sequence's end (vLLM's name).
@@ -162,8 +167,9 @@ class ModelRunner:
             ids.append(0), pos.append(0), slots.append(NULL_BLOCK * self.blocks.block_size)
         meta = self._metadata(short, long, slots, cascade=self.cascade and not padding)
         ctx = PagedAttention(self.cache, meta, use_kernel=self.paged_kernel)
-        h = self.model.hidden_states(self._tensor([ids]), self._tensor(pos), ctx)         # (1, N, C)
-        return self.model.logits(h[0, self._tensor(out_rows)])                             # (R, V)
+        with invariant(self.batch_invariant):
+            h = self.model.hidden_states(self._tensor([ids]), self._tensor(pos), ctx)     # (1, N, C)
+            return self.model.logits(h[0, self._tensor(out_rows)])                         # (R, V)
 
     def _tensor(self, values) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

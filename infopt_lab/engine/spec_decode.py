@@ -41,7 +41,7 @@ class Speculator:
         if draft != NGRAM:
             cache = pool.for_model(draft, blocks.num_blocks, blocks.block_size)   # checked against memory
             self.draft = ModelRunner(draft, cache, blocks, paged_kernel=target_runner.paged_kernel,
-                                     cascade=target_runner.cascade)
+                                     cascade=target_runner.cascade, batch_invariant=target_runner.batch_invariant)
 
     def execute_model(self, batch: Batch, sample: Sampler) -> dict[Sequence, SeqOutput]:
         """Propose, verify and accept for a scheduled batch; what each sequence got, as data (none is changed).
