@@ -17,6 +17,7 @@ from .decode import (DEFAULT_PROMPT, KV_PROMPT_TEXT, PASS_SIZES, KVComparison, b
                      bench_kv, bench_precision, bf16_decode_tokens_per_s, decode_throughput, decode_tokens_per_s,
                      kv_comparison, kv_prompt_ids, precision_variants, timed_greedy)
 from .engine import bench_engine
+from .invariant import bench_invariant
 from .quant import bench_quant
 from .result import Result, Run, describe_model
 from .speculative import bench_speculative
@@ -31,6 +32,7 @@ LADDER: dict[str, Callable[..., Result]] = {
     "attention": bench_attention,
     "speculative": bench_speculative,
     "engine": bench_engine,
+    "invariant": bench_invariant,
 }
 
 # the rungs `infopt-lab bench --model smollm2-135m` runs by default: the real model's speed lessons
@@ -58,7 +60,7 @@ def run(only: list[str] | None = None, **kwargs) -> list[Result]:
 __all__ = [
     "LADDER", "REAL_MODEL_RUNGS", "run", "Result", "Run", "describe_model",
     "bench_decode", "bench_kv", "bench_quant", "bench_batching", "bench_batch_size", "bench_precision",
-    "bench_attention", "bench_speculative", "bench_engine",
+    "bench_attention", "bench_speculative", "bench_engine", "bench_invariant",
     # what notebooks and tests call as bench.<name>
     "ATTENTION_LENGTHS", "DEFAULT_PROMPT", "KV_PROMPT_TEXT", "PASS_SIZES", "KVComparison", "compare_policies",
     "bf16_decode_tokens_per_s", "decode_throughput", "decode_tokens_per_s", "kv_comparison", "kv_prompt_ids",
