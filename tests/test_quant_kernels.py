@@ -11,15 +11,8 @@ from torch import nn
 
 import infopt_lab as lab
 from infopt_lab import quant_kernels, quantize
-from infopt_lab.quantize import (DEQUANT_MATMUL, INT4_KERNEL, INT8_KERNEL, cpu_kernels_fast, int4_kernel_works,
-                                 int8_kernel_works)
-
-KERNELS_HERE = {"int8": cpu_kernels_fast() and int8_kernel_works("cpu", torch.bfloat16),
-                "int4": cpu_kernels_fast() and int4_kernel_works()}   # what this machine's CPU runs
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+from infopt_lab.quantize import DEQUANT_MATMUL, INT4_KERNEL, INT8_KERNEL
+from test_quantize import KERNELS_HERE, _rel   # what this machine's CPU runs; a relative error
 
 
 def test_int8_uses_the_fused_kernel_where_it_works():

@@ -96,11 +96,6 @@ class Chunk:
     def num_tokens(self) -> int:
         return len(self.ids)
 
-    @property
-    def samples(self) -> bool:
-        """Whether the chunk reaches its sequence's last token, so a new token is sampled after it."""
-        return self.start + self.num_tokens == self.seq.length
-
     def extended(self, draft: list[int]) -> "Chunk":
         """The chunk with draft tokens after it, every one of them (and its last own token) giving logits."""
         return replace(self, ids=self.ids + draft, logits=len(draft) + 1)
