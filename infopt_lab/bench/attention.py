@@ -127,9 +127,11 @@ def bench_attention(model_name: str = "target", lengths: tuple[int, ...] = ATTEN
     r.add("device", f"{torch.cuda.get_device_name()} (16-bit peak {peak or 'unknown'} TFLOP/s)")
     r.add("shape", f"B=4, H=16, D=128, {str(default_dtype('cuda')).removeprefix('torch.')}, causal; "
                    "TFLOP/s (share of peak)")
-    ratios = {}
+    ratios, tflops = {}, {}
     for N in lengths:
         timings = {t.impl: t for t in time_attention(gpu_contenders(), N)}
+        for t in timings.values():
+            tflops.setdefault(t.impl, {})[N] = t.tflops
         cells = [f"{t.impl} OOM" if t.tflops is None
                  else f"{t.impl} {t.tflops:.0f}" + (f" ({t.tflops / peak:.0%})" if peak else "")
                  for t in timings.values()]
@@ -138,5 +140,5 @@ def bench_attention(model_name: str = "target", lengths: tuple[int, ...] = ATTEN
         if ours and sdpa:
             ratios[N] = ours / sdpa
     r.add("ours / SDPA", ", ".join(f"N={n}: {x:.2f}x" for n, x in ratios.items()))
-    r.values = {"ours_over_sdpa": ratios}
+    r.values = {"ours_over_sdpa": ratios, "tflops": tflops, "dtype": str(default_dtype("cuda"))}
     return r
