@@ -7,33 +7,14 @@ a process of its own with the interpreter off. Triton's cache (~/.triton/cache) 
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-from infopt_lab.device import HAS_TRITON, supported_dtypes
+from infopt_lab.device import supported_dtypes
+from infopt_lab.kernels.aot import aot_unavailable
 from infopt_lab.kernels.targets import KB, TARGETS, Tiles, flash_shared_bytes, flash_tiles, shared_per_block
 
-
-def _aot_api_missing() -> str | None:
-    """Why this Triton cannot compile ahead of time for another GPU, or None."""
-    if not HAS_TRITON:
-        return "Triton is not installed"
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource, make_backend  # noqa: F401
-        from triton.runtime.jit import create_function_from_signature  # noqa: F401
-        import triton
-        triton.knobs.nvidia.cuobjdump.path
-    except (ImportError, AttributeError, RuntimeError) as e:
-        return f"this Triton has no ahead-of-time compile API the test uses ({e})"
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        return "this Triton ships no NVIDIA backend"
-    return None
-
-
-needs_aot = pytest.mark.skipif(_aot_api_missing() is not None, reason=str(_aot_api_missing()))
+needs_aot = pytest.mark.skipif(aot_unavailable() is not None, reason=str(aot_unavailable()))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +43,7 @@ def test_flash_shared_estimate_bounds_what_triton_allocates(compiled):
         cap = (int(c.target[3]), int(c.target[4]))
         D, dtype = int(c.shape.removeprefix("D=")), getattr(torch, c.dtype)
         tiles = flash_tiles(D, dtype, cap)
-        assert c.shared <= flash_shared_bytes(tiles, D, dtype.itemsize), (c, tiles)
+        assert c.shared <= flash_shared_bytes(tiles, D, dtype.itemsize, cap), (c, tiles)
 
 
 def test_tiles_fit_each_target_by_its_own_limit():
@@ -70,11 +51,12 @@ def test_tiles_fit_each_target_by_its_own_limit():
     assert shared_per_block((8, 9)) == 99 * KB and shared_per_block((8, 0)) == 163 * KB
     assert shared_per_block((8, 6)) == 99 * KB and shared_per_block((12, 0)) == 227 * KB   # newest known below
     a100, l4 = flash_tiles(128, torch.float16, (8, 0)), flash_tiles(128, torch.float16, (8, 9))
-    assert flash_shared_bytes(a100, 128, 2) > 99 * KB >= flash_shared_bytes(l4, 128, 2)
+    assert flash_shared_bytes(a100, 128, 2, (8, 9)) > 99 * KB >= flash_shared_bytes(l4, 128, 2, (8, 9))
     for cap in TARGETS:
         for dtype in supported_dtypes(cap):
             for D in (16, 32, 64, 128):
-                assert flash_shared_bytes(flash_tiles(D, dtype, cap), D, dtype.itemsize) <= shared_per_block(cap)
+                tiles = flash_tiles(D, dtype, cap)
+                assert flash_shared_bytes(tiles, D, dtype.itemsize, cap) <= shared_per_block(cap)
     assert flash_tiles(64, torch.float32, None) == Tiles(64, 64, 4, 1)       # the interpreter
     with pytest.raises(ValueError, match="older than every one known"):
         shared_per_block((6, 1))

@@ -114,11 +114,8 @@ def bench_attention(model_name: str = "target", lengths: tuple[int, ...] = ATTEN
         r.add(f"max |ours - reference|, {label}", f"{err:.2e}")
     if tiles:
         from ..kernels.aot import attention_table
-        try:
-            for line in attention_table(128):
-                r.add("tiles", line)
-        except RuntimeError as e:            # this Triton cannot compile for other GPUs: say so, measure the rest
-            r.add("tiles", f"not compiled ahead of time here: {str(e).splitlines()[-1]}")
+        for line in attention_table(128):
+            r.add("tiles", line)
     if not HAS_CUDA:
         r.add("speed", "needs a CUDA GPU: the Triton interpreter runs kernels in Python, so on a CPU only "
                        "correctness is measured")

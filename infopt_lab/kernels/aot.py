@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..device import default_dtype, supported_dtypes
+from ..device import HAS_TRITON, default_dtype, supported_dtypes
 from . import Launch
 from .targets import TARGETS, shared_per_block
 
@@ -119,6 +119,21 @@ def check(kernel: str, shape: str, dtype: torch.dtype, launch: Launch, cap: tupl
     return c
 
 
+def aot_unavailable() -> str | None:
+    """Why this machine's Triton cannot compile ahead of time for other GPUs (too old, no NVIDIA backend), or None."""
+    if not HAS_TRITON:
+        return "Triton is not installed"
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource, make_backend  # noqa: F401
+        from triton.runtime.jit import create_function_from_signature  # noqa: F401
+        triton.knobs.nvidia.cuobjdump.path
+    except (ImportError, AttributeError, RuntimeError) as e:
+        return f"this Triton ({getattr(triton, '__version__', '?')}) lacks the ahead-of-time API used here: {e}"
+    return None
+
+
 def attention_configurations(D: int) -> list[tuple[tuple[int, int], str, torch.dtype, Launch]]:
     """Per target, FlashAttention at head dim D in the dtype that target computes in (device.default_dtype)."""
     from .flash_attention import plan_flash_attention
@@ -157,6 +172,9 @@ def run_subprocess(args: list[str] | None = None, timeout: float = 1800) -> list
 
 def attention_table(D: int = 128) -> list[str]:
     """One line per target: the FlashAttention tiles chosen at head dim D, their shared memory and registers."""
+    why = aot_unavailable()
+    if why is not None:
+        return [f"not compiled ahead of time here: {why}"]
     return [f"{c.target}, {c.dtype}, {c.shape}: {c.shared / 1024:.1f} of {c.shared_limit / 1024:.0f} KB shared, "
             f"{c.registers} registers" + (f" -- {c.error}" if c.error else "")
             for c in run_subprocess(["--attention", str(D)])]

@@ -37,22 +37,27 @@ def shared_per_block(cap: tuple[int, int]) -> int:
     return SHARED_PER_BLOCK[max(known)]
 
 
-def flash_shared_bytes(t: Tiles, D: int, itemsize: int) -> int:
-    """Shared memory a FlashAttention launch needs: one K and one V tile per stage, the Q tile, the P tile.
+def tensor_cores(itemsize: int, cap: tuple[int, int]) -> bool:
+    """Whether tl.dot runs on tensor cores: 16-bit operands from Ampere on. fp32 ("ieee", exact) lowers
+    to FMAs, and so does every dot on a T4 (measured: tests/test_aot_compile.py)."""
+    return itemsize == 2 and tuple(cap) >= (8, 0)
 
-    An upper bound on what Triton allocates (the compile test in tests/test_aot_compile.py holds
-    the two together): operands of tl.dot pass through shared memory, P (the softmax weights,
-    BLOCK_M x BLOCK_N) on its way into the second product.
+
+def flash_shared_bytes(t: Tiles, D: int, itemsize: int, cap: tuple[int, int]) -> int:
+    """Shared memory a FlashAttention launch needs: a K and a V tile per stage and the Q tile, and on FMA
+    dots the P tile (the softmax weights, BLOCK_M x BLOCK_N) on its way into the second product.
+
+    An upper bound on what Triton allocates (tests/test_aot_compile.py holds the two together).
     """
-    return ((2 * max(t.num_stages, 1) * t.block_n + t.block_m) * D + t.block_m * t.block_n) * itemsize
+    p_tile = 0 if tensor_cores(itemsize, cap) else t.block_m * t.block_n
+    return ((2 * max(t.num_stages, 1) * t.block_n + t.block_m) * D + p_tile) * itemsize
 
 
 # (block_m, block_n, num_warps), largest first: wide tiles reuse each loaded K/V tile across more queries
 _CANDIDATES = [(128, 64, 8), (128, 64, 4), (128, 32, 4), (64, 64, 4), (64, 32, 4), (32, 32, 8), (32, 32, 4),
                (32, 16, 8)]
-# registers per thread the live fp32 tiles may take (accumulator, scores, Q). With 16-bit operands from
-# Ampere on, tl.dot runs on tensor cores; fp32 ("ieee", exact), and every dot on a T4, lower to FMAs that
-# hold far more per thread. Measured by compiling (tests/test_aot_compile.py): over these, tiles spill.
+# registers per thread the live fp32 tiles may take (accumulator, scores, Q): FMA dots hold far more per
+# thread than tensor cores. Measured by compiling (tests/test_aot_compile.py): over these, tiles spill.
 TENSOR_CORE_BUDGET, FMA_BUDGET = 128, 48
 
 
@@ -67,13 +72,13 @@ def flash_tiles(D: int, dtype: torch.dtype, cap: tuple[int, int] | None) -> Tile
         return Tiles(64, 64, 4, 1)                    # the interpreter: no shared memory, fixed tiles
     limit = shared_per_block(cap)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    budget = TENSOR_CORE_BUDGET if itemsize == 2 and tuple(cap) >= (8, 0) else FMA_BUDGET
+    budget = TENSOR_CORE_BUDGET if tensor_cores(itemsize, cap) else FMA_BUDGET
     for bm, bn, warps in _CANDIDATES:
         if _registers(bm, bn, warps, D, itemsize) > budget:
             continue
         for stages in ((3, 2) if tuple(cap) >= (8, 0) else (2,)):
             t = Tiles(bm, bn, warps, stages)
-            if flash_shared_bytes(t, D, itemsize) <= limit:
+            if flash_shared_bytes(t, D, itemsize, cap) <= limit:
                 return t
     raise ValueError(f"no FlashAttention tiles fit head dim {D} in {dtype} on compute capability {cap}")
 
