@@ -16,7 +16,6 @@ KB = 1024
 SHARED_PER_BLOCK = {(7, 0): 96 * KB, (7, 5): 64 * KB, (8, 0): 163 * KB, (8, 6): 99 * KB, (8, 7): 163 * KB,
                     (8, 9): 99 * KB, (9, 0): 227 * KB}
 TARGETS = {(7, 5): "T4", (8, 0): "A100", (8, 9): "L4", (9, 0): "H100"}   # what CI compiles for
-INTERPRETER = "interpreter"       # the name a CPU run (Triton's interpreter) goes by in the tables
 
 
 class Tiles(NamedTuple):
