@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import infopt_lab as lab
 from infopt_lab.serving import ApiError, AsyncEngine, build_app, parse, running
-from infopt_lab.serving.loadtest import Result, loadtest, summarize
+from infopt_lab.serving.loadtest import Result, knee, loadtest, summarize
 from infopt_lab.serving.prometheus import Histogram
 from infopt_lab.serving.protocol import FIELDS
 
@@ -322,3 +322,12 @@ def test_loadtest_against_our_server(served):
     assert m["ttft_ms"]["p50"] <= m["e2el_ms"]["p99"]
     agentic = loadtest(url, concurrency=2, workload="agentic", num_requests=2, new_tokens=4)
     assert agentic["completed"] == 6 and agentic["output_tokens"] == 24
+
+
+def test_knee_is_the_last_rate_kept_up_with_before_the_first_miss():
+    assert knee([1, 2, 4, 8], [1.0, 1.95, 3.0, 3.1]) == 2            # 3.0 < 0.9 x 4
+    assert knee([8, 1, 4, 2], [3.1, 1.0, 3.0, 1.95]) == 2            # any order
+    assert knee([1, 2, 4], [1.0, 1.0, 4.0]) == 1                     # a lucky rate after a miss does not count
+    assert knee([1, 2], [0.9, 1.8]) == 2                             # exactly at keep_up counts
+    with pytest.raises(ValueError, match="kept up with none"):
+        knee([1, 2], [0.5, 0.5])

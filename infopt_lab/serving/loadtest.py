@@ -161,6 +161,24 @@ def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float | Non
             "errors": sorted({r.error for r in results if not r.ok})[:5]}
 
 
+def knee(offered: list[float], achieved: list[float], keep_up: float = 0.9) -> float:
+    """The saturation knee: going up, the last offered rate the server keeps up with (achieved >= keep_up x offered).
+
+    Rates after the first one it falls behind on do not count. Past the knee, requests arrive faster than they finish: throughput flattens and queues, TTFT with them, grow.
+    ValueError when the server keeps up with none of the rates.
+    """
+    offered = validate.reals("offered", offered, low=0)
+    achieved = validate.reals("achieved", achieved, low=0, length=len(offered))
+    best = None
+    for o, a in sorted(zip(offered, achieved)):
+        if a < keep_up * o:
+            break
+        best = o
+    if best is None:
+        raise ValueError(f"the server kept up with none of the offered rates {offered} (at {keep_up:.0%} of each)")
+    return best
+
+
 def loadtest(url: str, rate: float | None = None, concurrency: int | None = None, workload: str = "skewed",
              num_requests: int = 64, model: str | None = None, slo_ttft_ms: float | None = None,
              slo_tpot_ms: float | None = None, ignore_eos: bool = True, seed: int = 0,
