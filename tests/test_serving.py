@@ -331,3 +331,19 @@ def test_knee_is_the_last_rate_kept_up_with_before_the_first_miss():
     assert knee([1, 2], [0.9, 1.8]) == 2                             # exactly at keep_up counts
     with pytest.raises(ValueError, match="kept up with none"):
         knee([1, 2], [0.5, 0.5])
+
+
+def test_serve_and_loadtest_commands(tmp_path, capsys):
+    """`infopt-lab serve` in a subprocess (launch), `infopt-lab loadtest --json` against it."""
+    from infopt_lab.cli import main
+    from infopt_lab.serving.process import launch
+    out = tmp_path / "run.json"
+    with launch("target", max_batch_size=2, timeout_s=TIMEOUT_S) as url:
+        assert main(["loadtest", "--url", url, "--concurrency", "2", "--num-requests", "3",
+                     "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--json", str(out)]) == 0
+        assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 1024
+    m = json.loads(out.read_text())
+    assert (m["completed"], m["concurrency"], m["goodput"]) == (3, 2, pytest.approx(m["request_throughput"]))
+    assert "goodput (req/s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["loadtest", "--url", url, "--rate", "1", "--concurrency", "2"])   # one or the other
