@@ -1,6 +1,6 @@
 """infopt-lab: LLM inference optimization, measured. `import infopt_lab as lab`."""
 from . import kernels  # first: without CUDA it sets TRITON_INTERPRET=1 before anything imports triton
-from . import batching, costs, data, kv_cache, metrics, quantize, sampling, speculative, timing
+from . import batching, costs, data, exactness, kv_cache, metrics, quantize, sampling, speculative, timing
 from .batching import static_batch_utilization
 from .config import PRESETS, ModelConfig, get_preset
 from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, forward_cost, generation_cost,
@@ -8,6 +8,7 @@ from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, fo
 from .engine import Engine, EngineStats, Outputs, RequestOutput, agentic_workload, run_sessions
 from .device import HAS_CUDA, HAS_TRITON, default_dtype, get_device, synchronize
 from .distill import TeacherCache, distill, distillation_loss   # `lab.distill` is the function; the module is infopt_lab.distill
+from .exactness import exact_tokens
 from .generate import GenerationOutput, decode_one_token, generate, prefill, stream
 from .kernels.attention_ref import attention_reference, attention_tiled
 from .kv_cache import KVCache
@@ -27,13 +28,13 @@ __version__ = "0.1.0"
 # The public API: every name a notebook, a grader or a test may call as `lab.<name>`.
 __all__ = [
     # modules
-    "batching", "costs", "data", "kernels", "kv_cache", "metrics", "quantize", "sampling", "speculative", "timing",
+    "batching", "costs", "data", "exactness", "kernels", "kv_cache", "metrics", "quantize", "sampling", "speculative", "timing",
     # models, configs, devices
     "load_model", "Transformer", "ModelConfig", "PRESETS", "get_preset",
     "HAS_CUDA", "HAS_TRITON", "default_dtype", "get_device", "synchronize",
     # generation
     "SamplingParams", "check_request", "logits_to_probs", "sample", "draw", "generate", "stream", "prefill",
-    "decode_one_token", "GenerationOutput", "KVCache", "QuantizedKVCache",
+    "decode_one_token", "GenerationOutput", "KVCache", "QuantizedKVCache", "exact_tokens",
     # serving
     "Engine", "EngineStats", "Outputs", "RequestOutput", "static_batch_utilization", "agentic_workload",
     "run_sessions",

@@ -16,10 +16,46 @@ def get_device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
-def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
-    """The compute dtype for a device: bf16 on CUDA, fp32 on CPU (16-bit matmuls are slow there)."""
+BF16_FROM = (8, 0)   # compute capability with bf16 in hardware (Ampere); a T4 (7.5) only emulates it
+
+
+def capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """The CUDA compute capability of a device, (8, 0) for an A100; None for a CPU."""
     device = torch.device(device) if device is not None else get_device()
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def supported_dtypes(cap: tuple[int, int] | None) -> tuple[torch.dtype, ...]:
+    """The dtypes the kernels run in on a device of compute capability `cap` (None: a CPU, Triton's interpreter).
+
+    bf16 only where the GPU has it natively (capability >= 8.0). `torch.cuda.is_bf16_supported()` is
+    not asked: it answers True on a T4, where bf16 is emulated. The interpreter has no bf16 at all.
+    """
+    if cap is not None and tuple(cap) >= BF16_FROM:
+        return torch.float32, torch.float16, torch.bfloat16
+    return torch.float32, torch.float16
+
+
+def default_dtype(device: torch.device | str | None = None, cap: tuple[int, int] | None = None) -> torch.dtype:
+    """The compute dtype for a device: the one place that decides it.
+
+    fp32 on a CPU (16-bit matmuls are slow there); on CUDA bf16 where the GPU has it (capability
+    >= 8.0: A100, L4, H100), fp16 below (a T4). `cap` stands in for the device's own capability.
+    """
+    device = torch.device(device) if device is not None else get_device()
+    if device.type != "cuda":
+        return torch.float32
+    cap = cap if cap is not None else capability(device)
+    return torch.bfloat16 if torch.bfloat16 in supported_dtypes(cap) else torch.float16
+
+
+def check_dtype(dtype: torch.dtype, cap: tuple[int, int] | None, what: str = "this kernel") -> None:
+    """Refuse a dtype the device of capability `cap` cannot run, naming the ones it can."""
+    allowed = supported_dtypes(cap)
+    if dtype not in allowed:
+        where = "a CPU (Triton's interpreter)" if cap is None else f"a GPU of compute capability {cap[0]}.{cap[1]}"
+        raise ValueError(f"{what} cannot run in {dtype} on {where}: allowed are "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in allowed)}")
 
 
 def keep_freed_memory() -> bool:

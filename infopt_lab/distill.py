@@ -122,8 +122,9 @@ def agreement(student, teacher, windows: Tensor, batch_size: int = 8) -> float:
     hits, total = 0, 0
     with torch.inference_mode():
         for i in range(0, len(windows), batch_size):
-            x = windows[i:i + batch_size, :-1]
-            same = student(x).argmax(-1) == teacher(x).argmax(-1)
+            x = windows[i:i + batch_size, :-1]                                    # (B, T), on the CPU
+            top_s, top_t = (m(x.to(next(m.parameters()).device)).argmax(-1).cpu() for m in (student, teacher))
+            same = top_s == top_t                                                 # (B, T)
             hits, total = hits + int(same.sum()), total + same.numel()
     return hits / total
 
@@ -158,8 +159,9 @@ def distill(student, teacher, tok, steps: int = 200, weight: float = 0.9, temper
     student.train()
     log = []
     bar = tqdm(range(steps), disable=not progress, desc=f"distill (weight {weight})")
+    device = next(student.parameters()).device
     for step in bar:
-        x, y, values, indices = cache.batch(np.random.default_rng([seed, step]), batch_size)
+        x, y, values, indices = (t.to(device) for t in cache.batch(np.random.default_rng([seed, step]), batch_size))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x.device.type == "cpu"):
             logits = student(x)                                           # (B, T, V)
         loss = distillation_loss(logits.flatten(0, 1), y.flatten(), values.flatten(0, 1),

@@ -266,8 +266,8 @@ def distillation_explorer(teacher, student, tok, context: str, temperature: floa
     out = W.Output()
     ids = tok.encode(context)
     x, label = torch.tensor([ids[:-1]]), ids[-1]
-    with torch.inference_mode():
-        t_logits, s_logits = teacher(x)[0, -1].float(), student(x)[0, -1].float()
+    with torch.inference_mode():   # each model on its own device; the plot's arithmetic on the CPU
+        t_logits, s_logits = (m(x.to(next(m.parameters()).device))[0, -1].float().cpu() for m in (teacher, student))
 
     def redraw(_=None) -> None:
         with out:

@@ -126,7 +126,7 @@ def agentic_workload(tok, sessions: int = 16, turns: int = 3, system_tokens: int
     new_tokens = validate.integer("new_tokens", new_tokens, low=1)
     rate_per_s = validate.real("rate_per_s", rate_per_s, low=0, low_open=True)
     seed = validate.integer("seed", seed, low=0)
-    system_ids = tok.encode(INSTRUCTIONS + _tool_descriptions())
+    system_ids = tok.encode(INSTRUCTIONS + tool_descriptions())
     if len(system_ids) < system_tokens:
         raise ValueError(f"system_tokens must be at most {len(system_ids)} (the tool descriptions the held-out "
                          f"corpus gives), got {system_tokens}")
@@ -155,7 +155,7 @@ def _held_out() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=1)
-def _tool_descriptions() -> str:
+def tool_descriptions() -> str:
     """Every public documented function of the held-out corpus, in file order: its signature and first paragraph."""
     tools = []
     for text in _held_out():

@@ -134,3 +134,25 @@ def test_recipe_with_a_cached_teacher_trains_resumes_and_records_its_stages(tmp_
     assert saved["teacher_topk"] == 8 and saved["init_recipe"]["steps"] == 6
     stages = [(e["stage"], e["step"]) for e in map(json.loads, (tmp_path / "kd" / "train_log.jsonl").open())]
     assert stages == [("pretrain", 3), ("pretrain", 6), ("distill", 3), ("distill", 6)]
+
+
+
+class _DeviceProbe(torch.nn.Module):
+    """A stand-in model whose weights live on `device` ("meta" stands in for a GPU on a CPU machine); it
+    records where each input it is handed lives and answers uniform logits on the CPU."""
+
+    def __init__(self, device: str, vocab: int = 7):
+        super().__init__()
+        self.w = torch.nn.Linear(1, 1, device=device)
+        self.vocab, self.seen = vocab, set()
+
+    def forward(self, x):
+        self.seen.add(x.device.type)
+        return torch.zeros(*x.shape, self.vocab)                 # (B, T, V)
+
+
+def test_agreement_hands_each_model_its_inputs_on_its_own_device():
+    from infopt_lab.distill import agreement
+    student, teacher = _DeviceProbe("meta"), _DeviceProbe("cpu")
+    assert agreement(student, teacher, torch.zeros(3, 5, dtype=torch.long), batch_size=2) == 1.0
+    assert student.seen == {"meta"} and teacher.seen == {"cpu"}

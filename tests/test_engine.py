@@ -215,3 +215,35 @@ def test_default_pool_is_sized_by_max_model_len_not_the_whole_context(tiny):
     assert default.max_model_len == min(model.config.max_seq_len, DEFAULT_MAX_MODEL_LEN)
     with pytest.raises(ValueError, match="max_model_len"):
         lab.Engine(model, tok, max_model_len=model.config.max_seq_len + 1)
+
+
+# -- the paged decode kernel, per model -----------------------------------------------------------------
+@pytest.mark.skipif(not lab.HAS_TRITON, reason="Triton is not installed, so there is no paged kernel")
+def test_paged_kernel_runs_per_model_where_its_shape_allows(target):
+    """The target (head dim 32) decodes through the kernel (interpreted on a CPU); the bundled draft (head dim 24,
+    not a power of two) through the gather path; the tokens are the gather path's."""
+    model, tok = target
+    draft, _ = lab.load_model("draft", dtype=torch.float32)
+    assert model.config.head_dim & (model.config.head_dim - 1) == 0 and draft.config.head_dim == 24
+    prompts, news = PROMPTS[:4], [6, 3, 5, 2]
+    runs = {}
+    for paged_kernel in (True, False):
+        engine = lab.Engine(model, tok, max_batch_size=4, draft=draft, num_speculative_tokens=2,
+                            paged_kernel=paged_kernel)
+        outs = engine.generate(prompts, max_new_tokens=news, stop_at_eos=False)
+        runs[paged_kernel] = [o.token_ids for o in outs], outs.stats.decode_attention
+    (kernel_tokens, kernel_paths), (gather_tokens, gather_paths) = runs[True], runs[False]
+    assert set(kernel_paths["target"]) == {"paged kernel"} and set(kernel_paths["draft"]) == {"gather"}
+    assert set(gather_paths["target"]) == {"gather"} and set(gather_paths["draft"]) == {"gather"}
+    assert kernel_tokens == gather_tokens
+    engine = lab.Engine(model, tok, draft=draft, num_speculative_tokens=2, paged_kernel=True)
+    assert engine.runner.gather_reason is None
+    assert "head dim is 24" in engine.speculator.draft.gather_reason
+
+
+def test_paged_kernel_is_on_by_default_only_where_it_compiles(target):
+    model, tok = target
+    engine = lab.Engine(model, tok)
+    assert engine.runner.paged_kernel == (lab.HAS_TRITON and engine.device.type == "cuda")
+    with pytest.raises(TypeError, match="paged_kernel"):
+        lab.Engine(model, tok, paged_kernel="yes")

@@ -330,6 +330,14 @@ def test_watchdog_stops_a_process_past_the_cap_and_spares_one_under_it():
         dog.stop()
 
 
+
+def test_watchdog_counts_the_memory_a_process_holds_on_the_gpu():
+    """A process small on the host but holding 600 MB on a GPU (a fake nvidia-smi reading) passes a 512 MB cap."""
+    calm = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(20)"])
+    dog = MemoryWatchdog(calm.pid, 512 << 20, gpu_reader=lambda: {calm.pid: 600 << 20}).start()
+    assert calm.wait(timeout=30) != 0 and dog.tripped and dog.peak_bytes > 600 << 20
+    dog.stop()
+
 def test_every_notebook_opens_with_the_same_colab_setup_cell():
     """Lecture, solution and exercise notebooks all install the course on Colab in their second cell."""
     notebooks = [p for d in ("notebooks", "solutions", "exercises") for p in sorted((ROOT / d).glob("*.ipynb"))]

@@ -217,3 +217,14 @@ def test_int8_gemm_crossover_times_both_paths_at_each_row_count():
     assert list(seconds) == [1, 2] and all(set(t) == {"kernel", "gemm"} for t in seconds.values())
     wins = [n for n, t in seconds.items() if t["gemm"] < t["kernel"]]
     assert crossover == (1 if wins == [1, 2] else 2 if wins == [2] else quant_kernels.INT8_KERNEL_MAX_ROWS + 1)
+
+
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int4", 32)])
+def test_a_layer_moved_to_another_device_chooses_its_path_again(scheme, group):
+    """Quantized on the CPU, then moved (meta stands in for CUDA here): the CPU kernel's path and packing
+    must not follow the layer to a device they cannot run on."""
+    layer = lab.quantize_linear(nn.Linear(64, 32), scheme, group)
+    assert layer.kernels.device.type == "cpu"
+    layer.to("meta")
+    assert layer.kernels.device.type == "meta" and layer.path == DEQUANT_MATMUL
+    assert "meta" in layer.fallback_reason

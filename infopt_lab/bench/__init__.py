@@ -17,6 +17,7 @@ from .decode import (DEFAULT_PROMPT, KV_PROMPT_TEXT, PASS_SIZES, KVComparison, b
                      bench_kv, bench_precision, bf16_decode_tokens_per_s, decode_throughput, decode_tokens_per_s,
                      kv_comparison, kv_prompt_ids, precision_variants, timed_greedy)
 from .engine import bench_engine
+from .exactness import bench_exactness
 from .invariant import bench_invariant
 from .quant import bench_quant
 from .result import Result, Run, describe_model
@@ -33,6 +34,7 @@ LADDER: dict[str, Callable[..., Result]] = {
     "speculative": bench_speculative,
     "engine": bench_engine,
     "invariant": bench_invariant,
+    "exactness": bench_exactness,
 }
 
 # the rungs `infopt-lab bench --model smollm2-135m` runs by default: the real model's speed lessons
@@ -60,7 +62,7 @@ def run(only: list[str] | None = None, **kwargs) -> list[Result]:
 __all__ = [
     "LADDER", "REAL_MODEL_RUNGS", "run", "Result", "Run", "describe_model",
     "bench_decode", "bench_kv", "bench_quant", "bench_batching", "bench_batch_size", "bench_precision",
-    "bench_attention", "bench_speculative", "bench_engine", "bench_invariant",
+    "bench_attention", "bench_speculative", "bench_engine", "bench_invariant", "bench_exactness",
     # what notebooks and tests call as bench.<name>
     "ATTENTION_LENGTHS", "DEFAULT_PROMPT", "KV_PROMPT_TEXT", "PASS_SIZES", "KVComparison", "compare_policies",
     "bf16_decode_tokens_per_s", "decode_throughput", "decode_tokens_per_s", "kv_comparison", "kv_prompt_ids",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..device import HAS_CUDA, HAS_TRITON, get_device
+from ..device import HAS_CUDA, HAS_TRITON, default_dtype, get_device
 from .result import Result
 
 # Dense 16-bit tensor-core peaks (no sparsity), TFLOP/s, from the vendors' datasheets.
@@ -43,8 +43,10 @@ class AttentionTiming:
 
 
 def time_attention(impls: dict, N: int, B: int = 4, H: int = 16, D: int = 128, causal: bool = True,
-                   dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> list[AttentionTiming]:
-    """CUDA-event timings of each implementation on one shape; an OOM is reported, not raised."""
+                   dtype: torch.dtype | None = None, repeats: int = 10) -> list[AttentionTiming]:
+    """CUDA-event timings of each implementation on one shape (in the GPU's own dtype by default); an OOM is
+    reported, not raised."""
+    dtype = dtype or default_dtype("cuda")
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))   # (B, H, N, D)
     out = []
     for name, fn in impls.items():
@@ -94,10 +96,12 @@ def interpreter_check(seed: int = 0) -> list[tuple[str, float]]:
     return rows
 
 
-def bench_attention(model_name: str = "target", lengths: tuple[int, ...] = ATTENTION_LENGTHS) -> Result:
-    """On CUDA: TFLOP/s of our Triton FlashAttention, SDPA and naive attention, bf16, causal, D=128.
+def bench_attention(model_name: str = "target", lengths: tuple[int, ...] = ATTENTION_LENGTHS,
+                    tiles: bool = True) -> Result:
+    """On CUDA: TFLOP/s of our Triton FlashAttention, SDPA and naive attention, causal, D=128, in the GPU's dtype.
 
     On a CPU: one line saying that speed needs a GPU, and the interpreter's agreement with the reference.
+    Everywhere (`tiles`): the tiles chosen for a T4, an A100, an L4 and an H100, compiled ahead of time.
     (`model_name` is accepted for a uniform command line; attention is benchmarked on synthetic shapes.)
     """
     from ..kernels.flash_attention import attention_path
@@ -108,16 +112,23 @@ def bench_attention(model_name: str = "target", lengths: tuple[int, ...] = ATTEN
         return r
     for label, err in interpreter_check():
         r.add(f"max |ours - reference|, {label}", f"{err:.2e}")
+    if tiles:
+        from ..kernels.aot import attention_table
+        for line in attention_table(128):
+            r.add("tiles", line)
     if not HAS_CUDA:
         r.add("speed", "needs a CUDA GPU: the Triton interpreter runs kernels in Python, so on a CPU only "
                        "correctness is measured")
         return r
     peak = device_peak_tflops()
     r.add("device", f"{torch.cuda.get_device_name()} (16-bit peak {peak or 'unknown'} TFLOP/s)")
-    r.add("shape", "B=4, H=16, D=128, bf16, causal; TFLOP/s (share of peak)")
-    ratios = {}
+    r.add("shape", f"B=4, H=16, D=128, {str(default_dtype('cuda')).removeprefix('torch.')}, causal; "
+                   "TFLOP/s (share of peak)")
+    ratios, tflops = {}, {}
     for N in lengths:
         timings = {t.impl: t for t in time_attention(gpu_contenders(), N)}
+        for t in timings.values():
+            tflops.setdefault(t.impl, {})[N] = t.tflops
         cells = [f"{t.impl} OOM" if t.tflops is None
                  else f"{t.impl} {t.tflops:.0f}" + (f" ({t.tflops / peak:.0%})" if peak else "")
                  for t in timings.values()]
@@ -126,5 +137,5 @@ def bench_attention(model_name: str = "target", lengths: tuple[int, ...] = ATTEN
         if ours and sdpa:
             ratios[N] = ours / sdpa
     r.add("ours / SDPA", ", ".join(f"N={n}: {x:.2f}x" for n, x in ratios.items()))
-    r.values = {"ours_over_sdpa": ratios}
+    r.values = {"ours_over_sdpa": ratios, "tflops": tflops, "dtype": str(default_dtype("cuda"))}
     return r

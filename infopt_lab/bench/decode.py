@@ -107,7 +107,8 @@ def bench_decode(model_name: str = "target", new_tokens: int = 128, repeats: int
     if bf16 is not None:
         r.add("bf16 weights (same loop)", f"{bf16:.1f} tokens/s ({bf16 / rate:.2f}x fp32)"
                                           if bf16 else "this CPU has no fast bf16 matrix products: not measured")
-    r.values = {"same_tokens": same, "speedup": t["theirs"] / t["ours"], "fraction_of_bound": rate / bound,
+    r.values = {"same_tokens": same, "tokens_per_s": rate, "speedup": t["theirs"] / t["ours"],
+                "fraction_of_bound": rate / bound,
                 "fraction_of_matvec_bound": rate / gemv_bound, "bf16_tokens_per_s": bf16}
     return r
 

@@ -73,6 +73,10 @@ class LLMEngine:
     `cascade_attention=True` reads the blocks that every decoding sequence of a step shares (a system prompt
     under prefix caching) once for all of them, then each sequence's own blocks, and merges the two softmaxes:
     the same attention up to float rounding, with far fewer keys copied per step.
+    `paged_kernel` sends single decode tokens through the Triton paged kernel instead of gathering their keys:
+    None (the default) where it compiles (CUDA), True wherever Triton runs (interpreted on a CPU), False never;
+    per model, only where its head dim and block size are powers of two (the bundled draft's 24 is not), and
+    `stats.decode_attention` says which path each model's decode steps took.
     `batch_invariant=True` computes every row of a step as if it were alone (invariant.py): a request's tokens
     are then bit-identical to `lab.generate(..., batch_invariant=True)` whatever else shares its steps.
     """
@@ -81,7 +85,7 @@ class LLMEngine:
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, draft=None,
                  num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto", cascade_attention: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, paged_kernel: bool | None = None):
         validate.model("model", model)
         validate.choice("scheduler", scheduler, POLICIES)
         validate.choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
@@ -104,7 +108,10 @@ class LLMEngine:
         if validate.boolean("batch_invariant", batch_invariant) and cascade:
             raise ValueError("cascade_attention=True attends a shared prefix for many sequences in one product; "
                              "batch_invariant=True computes each sequence alone: choose one")
-        self.runner = ModelRunner(model, self.cache, self.blocks, cascade=cascade, batch_invariant=batch_invariant)
+        if paged_kernel is not None:
+            validate.boolean("paged_kernel", paged_kernel)
+        self.runner = ModelRunner(model, self.cache, self.blocks, paged_kernel=paged_kernel, cascade=cascade,
+                                  batch_invariant=batch_invariant)
         self.speculator = Speculator(self.runner, draft, k, self.blocks, pool) if k else None
         self.device = self.runner.device
         self.sequences: dict[int, Sequence] = {}    # every request added since the clock was reset
@@ -120,6 +127,8 @@ class LLMEngine:
         self.stats = EngineStats(max_batch_size=self.max_batch_size, block_size=self.blocks.block_size,
                                  max_seq_len=self.max_seq_len, kv_blocks_total=self.blocks.capacity)
         self.preempted_before = self.scheduler.preemptions
+        for runner in self._runners().values():
+            runner.decode_steps.clear()
 
     def now(self) -> float:
         """Seconds since the clock was reset."""
@@ -222,7 +231,19 @@ class LLMEngine:
         self.stats.padding_rows += len(batch.padding)
         self.stats.kv_blocks_peak = max(self.stats.kv_blocks_peak, self.blocks.num_used)
         self.stats.preemptions = self.scheduler.preemptions - self.preempted_before
+        self.stats.decode_attention = self._decode_attention()
         return finished
+
+    def _runners(self) -> dict[str, ModelRunner]:
+        """The model runners by role: the target's, and the draft model's when it speculates with one."""
+        runners = {"target": self.runner}
+        if self.speculator is not None and self.speculator.draft is not None:
+            runners["draft"] = self.speculator.draft
+        return runners
+
+    def _decode_attention(self) -> dict[str, dict[str, int]]:
+        """Per model, how many steps its decode tokens attended by each path since the clock was reset."""
+        return {name: dict(r.decode_steps) for name, r in self._runners().items()}
 
     @staticmethod
     def _sample(logits: Tensor, seqs: list[Sequence]) -> list[int]:

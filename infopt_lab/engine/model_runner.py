@@ -24,6 +24,7 @@ from torch import Tensor
 from ..attention import attend, shared_prefix_attend
 from ..device import HAS_TRITON
 from ..invariant import invariant
+from ..kernels.paged_attention import paged_kernel_fits
 from ..kv_cache import NULL_BLOCK, PagedKVCache, PagedPool
 from .block_manager import BlockManager
 from .scheduler import Batch
@@ -31,6 +32,8 @@ from .sequence import Chunk, SeqOutput, Sequence
 
 SHORT = 16  # chunks up to this long (decode tokens, drafts to verify) are attended as one padded batch
 CASCADE_MIN_TOKENS = 64  # a shared prefix at least this long is read once for the whole batch (cascade=True)
+
+PAGED_KERNEL, GATHER, CASCADE = "paged kernel", "gather", "cascade"   # how a step's decode tokens attend
 
 Sampler = Callable[[Tensor, list[Sequence]], list[int]]   # logits (R, V), one sequence per row -> a token per row
 
@@ -74,6 +77,7 @@ class PagedAttention:
     def __init__(self, cache: PagedPool, meta: AttentionMetadata, use_kernel: bool = False):
         self.cache, self.meta = cache, meta
         self.use_kernel = use_kernel          # single decode tokens through the Triton paged kernel, not the gather
+        self.decode_path: str | None = None   # what a step of single decode tokens ran: PAGED_KERNEL or GATHER
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         """Write the step's keys and values to their slots, then attend each sequence over its own cache."""
@@ -98,7 +102,10 @@ class PagedAttention:
             y = paged_decode_attention(qd, self.cache.k[layer], self.cache.v[layer], m.short_tables,
                                        m.short_lens)                                       # (B_s, H, D)
             out[0, :, rows] = y.transpose(0, 1)
+            self.decode_path = PAGED_KERNEL
             return
+        if m.short_rows.shape[1] == 1:
+            self.decode_path = CASCADE if m.prefix_table is not None else GATHER
         qs = q[0][:, m.short_rows].transpose(0, 1)                                         # (B_s, H, T_s, D)
         if m.prefix_table is not None:
             y = shared_prefix_attend(qs, *self.cache.gather(layer, m.prefix_table),
@@ -121,17 +128,36 @@ class ModelRunner:
         self.cascade = cascade        # attend a prefix every short chunk shares once for all of them
         self.batch_invariant = batch_invariant   # every row computed as if alone (invariant.py)
         self.device = next(model.parameters()).device
-        # the Triton paged decode kernel on CUDA (compiled); the gather path elsewhere unless asked
+        self.paged_kernel_asked = paged_kernel      # what the engine was asked; a draft runner is asked the same
+        self.paged_kernel, self.gather_reason = self._choose_decode_path(paged_kernel)
+        self.decode_steps: dict[str, int] = {}     # steps whose decode tokens took each path ("paged kernel", ...)
+
+    def _choose_decode_path(self, paged_kernel: bool | None) -> tuple[bool, str | None]:
+        """Whether single decode tokens go through the Triton paged kernel for this model, and why not.
+
+        None: on where it compiles for real (CUDA) and this model's shape allows it. True: on wherever
+        the shape allows (the interpreter on a CPU). A shape the kernel cannot take (the bundled draft's
+        head dim 24) takes the gather path, per model, and says so in `gather_reason`.
+        """
         if paged_kernel and not HAS_TRITON:
             raise RuntimeError("paged_kernel=True needs Triton, which is not installed here; "
                                "leave paged_kernel=None for the gather path")
-        if paged_kernel and not isinstance(cache, PagedKVCache):
+        if paged_kernel and not isinstance(self.cache, PagedKVCache):
             raise ValueError("paged_kernel=True reads a float pool; this engine's KV pool is quantized")
-        if paged_kernel and batch_invariant:
+        if paged_kernel and self.batch_invariant:
             raise ValueError("paged_kernel=True attends many sequences in one kernel; batch_invariant=True needs "
                              "each query alone")
-        self.paged_kernel = (HAS_TRITON and self.device.type == "cuda" and isinstance(cache, PagedKVCache)
-                             and not batch_invariant if paged_kernel is None else paged_kernel)
+        head_dim = self.model.config.head_dim
+        if paged_kernel is False:
+            return False, "paged_kernel=False"
+        if paged_kernel is None and not (HAS_TRITON and self.device.type == "cuda"):
+            return False, "the paged kernel compiles only on CUDA (paged_kernel=True runs it interpreted)"
+        if paged_kernel is None and (not isinstance(self.cache, PagedKVCache) or self.batch_invariant):
+            return False, "a quantized pool or batch_invariant=True"
+        if not paged_kernel_fits(head_dim, self.cache.block_size):
+            return False, (f"the paged kernel takes powers of two; this model's head dim is {head_dim} and the "
+                           f"block size {self.cache.block_size}")
+        return True, None
 
     def execute_model(self, batch: Batch, sample: Sampler) -> dict[Sequence, SeqOutput]:
         """Run a scheduled batch and sample after every chunk that reaches its sequence's end (vLLM's name).
@@ -169,7 +195,10 @@ class ModelRunner:
         ctx = PagedAttention(self.cache, meta, use_kernel=self.paged_kernel)
         with invariant(self.batch_invariant):
             h = self.model.hidden_states(self._tensor([ids]), self._tensor(pos), ctx)     # (1, N, C)
-            return self.model.logits(h[0, self._tensor(out_rows)])                         # (R, V)
+            logits = self.model.logits(h[0, self._tensor(out_rows)])                       # (R, V)
+        if ctx.decode_path is not None:
+            self.decode_steps[ctx.decode_path] = self.decode_steps.get(ctx.decode_path, 0) + 1
+        return logits
 
     def _tensor(self, values) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

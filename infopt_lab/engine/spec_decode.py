@@ -40,7 +40,7 @@ class Speculator:
         self.draft = None
         if draft != NGRAM:
             cache = pool.for_model(draft, blocks.num_blocks, blocks.block_size)   # checked against memory
-            self.draft = ModelRunner(draft, cache, blocks, paged_kernel=target_runner.paged_kernel,
+            self.draft = ModelRunner(draft, cache, blocks, paged_kernel=target_runner.paged_kernel_asked,
                                      cascade=target_runner.cascade, batch_invariant=target_runner.batch_invariant)
 
     def execute_model(self, batch: Batch, sample: Sampler) -> dict[Sequence, SeqOutput]:

@@ -39,6 +39,8 @@ class EngineStats:
     max_seq_len: int = 0
     kv_blocks_total: int = 0
     kv_blocks_peak: int = 0
+    decode_attention: dict[str, dict[str, int]] = field(default_factory=dict)   # per model ("target", "draft"):
+                                    # steps of single decode tokens by path ("paged kernel", "gather", "cascade")
     timeline: list[StepRecord] = field(default_factory=list, repr=False)
 
     @property

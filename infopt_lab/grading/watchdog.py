@@ -8,12 +8,16 @@ reads it for the kernel and every process it started, every `interval` seconds,
 and kills the whole tree once the total passes the cap; the session then reports
 that the cap was hit. On Linux it counts anonymous and shared-memory pages
 (`RssAnon + RssShmem`), leaving out library code that is mapped from disk and
-shared with every other Python; elsewhere psutil's RSS.
+shared with every other Python; elsewhere psutil's RSS. Where a GPU is present, the
+memory each process of the tree holds on it (nvidia-smi, read at every rescan) counts too.
 """
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 import psutil
 
@@ -34,6 +38,24 @@ def used_bytes(proc: psutil.Process) -> int:
         return proc.memory_info().rss
     except (OSError, psutil.Error):
         return 0
+
+
+def gpu_bytes_by_pid() -> dict[int, int]:
+    """GPU memory each process holds, summed over GPUs, as nvidia-smi reports it; empty without a GPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    try:
+        out = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    used: dict[int, int] = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            used[int(pid)] = used.get(int(pid), 0) + (int(mib) << 20)
+    return used
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -60,8 +82,10 @@ def kill_tree(pid: int) -> None:
 class MemoryWatchdog:
     """Kill a process tree whose resident memory passes `limit_bytes`; `tripped` says whether it did."""
 
-    def __init__(self, pid: int, limit_bytes: int, interval: float = INTERVAL_S):
+    def __init__(self, pid: int, limit_bytes: int, interval: float = INTERVAL_S,
+                 gpu_reader: Callable[[], dict[int, int]] = gpu_bytes_by_pid):
         self.pid, self.limit_bytes, self.interval = pid, limit_bytes, interval
+        self.gpu_reader = gpu_reader          # process id -> bytes on the GPU, read at every rescan
         self.tripped = False
         self.peak_bytes = 0
         self._stop = threading.Event()
@@ -80,12 +104,15 @@ class MemoryWatchdog:
 
     def _watch(self) -> None:
         procs: list[psutil.Process] = []
+        on_gpu = 0
         for reading in range(sys.maxsize):
             if self._stop.is_set() or not psutil.pid_exists(self.pid):
                 return
             if reading % RESCAN_EVERY == 0:
                 procs = tree(self.pid)
-            used = sum(used_bytes(p) for p in procs)
+                gpu = self.gpu_reader()
+                on_gpu = sum(gpu.get(p.pid, 0) for p in procs)
+            used = sum(used_bytes(p) for p in procs) + on_gpu
             self.peak_bytes = max(self.peak_bytes, used)
             if used > self.limit_bytes:
                 self.tripped = True

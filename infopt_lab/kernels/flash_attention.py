@@ -15,9 +15,10 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..device import HAS_TRITON
-from . import INTERPRETER_READY, require_interpreter
+from ..device import HAS_TRITON, capability, check_dtype
+from . import INTERPRETER_READY, Launch, require_interpreter, require_same_device
 from .attention_ref import attention_reference, check_attention_inputs
+from .targets import flash_tiles
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the cheaper instruction
 
@@ -92,35 +93,35 @@ if HAS_TRITON:
                  out.to(O.dtype.element_ty), mask=offs_m[:, None] < N_Q)
 
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _check_kernel_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+def _check_kernel_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool, cap: tuple[int, int] | None) -> None:
     check_attention_inputs(q, k, v, causal)
+    require_same_device(q=q, k=k, v=v)
     D = q.shape[-1]
     if D not in (16, 32, 64, 128):
         raise ValueError(f"head dim must be a power of two in 16..128, got {D}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
-    if q.dtype == torch.bfloat16 and q.device.type != "cuda":
-        raise ValueError("the Triton interpreter has no bf16: use float32 or float16 on a CPU")
-    if q.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ValueError("this GPU has no bf16 (a T4, for example): use float16")
+    check_dtype(q.dtype, cap, "the FlashAttention kernel")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head) dim, got strides {t.stride()}; "
                              f"call .contiguous() first")
 
 
-def _block_sizes(D: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): fixed choices (no autotune, so a T4 and the interpreter work)."""
-    if device.type != "cuda":
-        return 64, 64, 4, 1
-    major, _ = torch.cuda.get_device_capability(device)
-    stages = 3 if major >= 8 else 2                   # Turing (T4) has less shared memory
-    if D <= 64:
-        return 128, 64, 4, stages
-    return (128, 64, 8, stages) if major >= 8 else (64, 32, 4, stages)
+def plan_flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, cap: tuple[int, int] | None,
+                         block_m: int | None = None, block_n: int | None = None) -> Launch:
+    """The launch for a GPU of compute capability `cap` (None: the interpreter): checks, tiles, grid, arguments."""
+    _check_kernel_inputs(q, k, v, causal, cap)
+    B, H, N, D = q.shape
+    tiles = flash_tiles(D, q.dtype, cap)
+    bm, bn = block_m or tiles.block_m, block_n or tiles.block_n
+    o = torch.empty_like(q)
+    return Launch(_flash_attention_fwd, (triton.cdiv(N, bm), B * H), (
+        q, k, v, o,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        H, N, k.shape[2], LOG2E / math.sqrt(D)), dict(
+        GROUP=H // k.shape[1], CAUSAL=causal, D=D, BLOCK_M=bm, BLOCK_N=bn,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages), out=o)
 
 
 def flash_attention_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
@@ -130,22 +131,7 @@ def flash_attention_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
         raise RuntimeError("Triton is not installed here; use attention_reference")
     if q.device.type != "cuda":
         require_interpreter()
-    _check_kernel_inputs(q, k, v, causal)
-    B, H, N, D = q.shape
-    N_k = k.shape[2]
-    bm, bn, warps, stages = _block_sizes(D, q.device)
-    bm, bn = block_m or bm, block_n or bn
-    o = torch.empty_like(q)
-    grid = (triton.cdiv(N, bm), B * H)
-    _flash_attention_fwd[grid](
-        q, k, v, o,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        H, N, N_k, LOG2E / math.sqrt(D),
-        GROUP=H // k.shape[1], CAUSAL=causal, D=D, BLOCK_M=bm, BLOCK_N=bn,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
-    return o
+    return plan_flash_attention(q, k, v, causal, capability(q.device), block_m, block_n).run()
 
 
 def attention_path(device: torch.device | str = "cpu") -> str:

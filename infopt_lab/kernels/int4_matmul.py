@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..device import HAS_TRITON
+from ..device import HAS_TRITON, capability, check_dtype
 from ..quant_format import dequantize, unpack_int4   # the format only: the quantizers import this module
-from . import require_interpreter
+from . import Launch, require_interpreter, require_same_device
 
 
 def int4_matmul_reference(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
@@ -70,13 +70,10 @@ if HAS_TRITON:
                  acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
-                block_m: int = 16, block_n: int = 32, block_k: int = 32) -> Tensor:
-    """The Triton kernel: x [M, K] @ dequantized W.T -> [M, N], same arguments as the reference."""
-    if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed here; use int4_matmul_reference")
-    if x.device.type != "cuda":
-        require_interpreter()
+def plan_int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor, cap: tuple[int, int] | None,
+                     block_m: int = 16, block_n: int = 32, block_k: int = 32) -> Launch:
+    """The launch for compute capability `cap` (None: the interpreter): checks, grid over tiles of y, arguments."""
+    require_same_device(x=x, packed=packed, scales=scales, zeros=zeros)
     M, K = x.shape
     N, half_k = packed.shape
     if packed.dtype != torch.uint8 or half_k * 2 != K:
@@ -87,13 +84,23 @@ def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
     if zeros.stride() != scales.stride():                          # the kernel reads both with one set of strides
         raise ValueError(f"scales and zeros must share strides, got {scales.stride()} and {zeros.stride()}; "
                          f"call .contiguous() on both")
+    check_dtype(x.dtype, cap, "the int4 matmul kernel")
     group = K // scales.shape[1]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _int4_matmul_kernel[grid](
+    return Launch(_int4_matmul_kernel, grid, (
         x, packed, scales, zeros, y, M, N, K,
         x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
-        scales.stride(0), scales.stride(1), y.stride(0), y.stride(1),
+        scales.stride(0), scales.stride(1), y.stride(0), y.stride(1)), dict(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    return y
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32"), out=y)
+
+
+def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
+                block_m: int = 16, block_n: int = 32, block_k: int = 32) -> Tensor:
+    """The Triton kernel: x [M, K] @ dequantized W.T -> [M, N], same arguments as the reference."""
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed here; use int4_matmul_reference")
+    if x.device.type != "cuda":
+        require_interpreter()
+    return plan_int4_matmul(x, packed, scales, zeros, capability(x.device), block_m, block_n, block_k).run()

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..device import HAS_TRITON
-from . import require_interpreter
+from ..device import HAS_TRITON, capability, check_dtype
+from . import Launch, require_interpreter, require_same_device
 from .flash_attention import LOG2E
 
 
@@ -83,6 +83,37 @@ if HAS_TRITON:
         tl.store(O + b * stride_ob + h * stride_oh + offs_d, (acc / l_i).to(O.dtype.element_ty))
 
 
+def plan_paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                      cap: tuple[int, int] | None) -> Launch:
+    """The launch for compute capability `cap` (None: the interpreter): checks, a program per sequence and head."""
+    require_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
+    B, H, D = q.shape
+    n_blocks, block_size, H_kv, Dc = k_cache.shape
+    if k_cache.shape != v_cache.shape or Dc != D or H % H_kv:
+        raise ValueError(f"caches must both be [N_blocks, block_size, H_kv, {D}] with H_kv dividing {H}, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not paged_kernel_fits(D, block_size):
+        raise ValueError(f"head dim and block size must be powers of two, got {D} and {block_size}")
+    if block_tables.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(f"block_tables must be [{B}, max_blocks] and seq_lens [{B}], got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("q and the caches must be contiguous in the head dim, and the caches share strides")
+    check_dtype(q.dtype, cap, "the paged decode kernel")
+    block_tables, seq_lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
+    o = torch.empty_like(q)
+    return Launch(_paged_decode_kernel, (B, H), (
+        q, k_cache, v_cache, o, block_tables, seq_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), o.stride(0), o.stride(1), LOG2E / math.sqrt(D)),
+        dict(GROUP=H // H_kv, D=D, BLOCK_SIZE=block_size), out=o)
+
+
+def paged_kernel_fits(head_dim: int, block_size: int) -> bool:
+    """Whether the kernel takes this shape: head dim and block size powers of two (tl.arange needs them)."""
+    return head_dim > 0 and block_size > 0 and not head_dim & (head_dim - 1) and not block_size & (block_size - 1)
+
+
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            seq_lens: Tensor) -> Tensor:
     """The Triton kernel: same arguments and result as paged_attention_reference."""
@@ -90,23 +121,4 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         raise RuntimeError("Triton is not installed here; use paged_attention_reference")
     if q.device.type != "cuda":
         require_interpreter()
-    B, H, D = q.shape
-    n_blocks, block_size, H_kv, Dc = k_cache.shape
-    if k_cache.shape != v_cache.shape or Dc != D or H % H_kv:
-        raise ValueError(f"caches must both be [N_blocks, block_size, H_kv, {D}] with H_kv dividing {H}, "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if D & (D - 1) or block_size & (block_size - 1):
-        raise ValueError(f"head dim and block size must be powers of two, got {D} and {block_size}")
-    if block_tables.shape[0] != B or seq_lens.shape != (B,):
-        raise ValueError(f"block_tables must be [{B}, max_blocks] and seq_lens [{B}], got "
-                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
-        raise ValueError("q and the caches must be contiguous in the head dim, and the caches share strides")
-    block_tables, seq_lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
-    o = torch.empty_like(q)
-    _paged_decode_kernel[(B, H)](
-        q, k_cache, v_cache, o, block_tables, seq_lens,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), o.stride(0), o.stride(1), LOG2E / math.sqrt(D),
-        GROUP=H // H_kv, D=D, BLOCK_SIZE=block_size)
-    return o
+    return plan_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, capability(q.device)).run()

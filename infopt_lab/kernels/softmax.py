@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from .. import validate
-from ..device import HAS_TRITON
-from . import require_interpreter
+from ..device import HAS_TRITON, capability, check_dtype
+from . import Launch, require_interpreter
 
 
 def online_softmax_reference(x: Tensor, block: int = 4) -> tuple[Tensor, list[tuple[float, float]]]:
@@ -64,6 +64,19 @@ if HAS_TRITON:
             tl.store(Y + row * stride_y + cols, (tl.exp(x - m) / l).to(Y.dtype.element_ty), mask=cols < C)
 
 
+def plan_softmax(x: Tensor, block: int, verbose: bool, cap: tuple[int, int] | None) -> Launch:
+    """The launch for compute capability `cap` (None: the interpreter): checks, a program per row, arguments."""
+    validate.tensor("x", x)
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be a 2-D tensor contiguous in its last dim, got shape {tuple(x.shape)}")
+    if validate.integer("block", block, low=1) & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    check_dtype(x.dtype, cap, "the softmax kernel")
+    y = torch.empty_like(x)
+    return Launch(_softmax_rows_kernel, (x.shape[0],), (x, y, x.stride(0), y.stride(0), x.shape[1]),
+                  dict(BLOCK=block, VERBOSE=verbose), out=y)
+
+
 def softmax_triton(x: Tensor, block: int = 16, verbose: bool = False) -> Tensor:
     """Softmax over the last dim of a 2-D tensor with the streaming kernel (interpreted on a CPU)."""
     if not HAS_TRITON:
@@ -71,10 +84,4 @@ def softmax_triton(x: Tensor, block: int = 16, verbose: bool = False) -> Tensor:
     validate.tensor("x", x)
     if x.device.type != "cuda":
         require_interpreter()
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be a 2-D tensor contiguous in its last dim, got shape {tuple(x.shape)}")
-    if validate.integer("block", block, low=1) & (block - 1):
-        raise ValueError(f"block must be a power of two, got {block}")
-    y = torch.empty_like(x)
-    _softmax_rows_kernel[(x.shape[0],)](x, y, x.stride(0), y.stride(0), x.shape[1], BLOCK=block, VERBOSE=verbose)
-    return y
+    return plan_softmax(x, block, verbose, capability(x.device)).run()
