@@ -266,6 +266,8 @@ def test_malformed_requests_get_a_4xx_json_error_and_the_server_keeps_serving(se
     ({"prompt": ""}, 400, "prompt", "prompt is empty"),
     ({"prompt": [1, 99999]}, 400, "prompt", "token ids must be in [0, 4096), got [99999]"),
     ({"prompt": "x", "stop": "\n"}, 400, "stop", "stop strings are not supported"),
+    ({"prompt": "x", "stream_options": ""}, 400, "stream_options", "stream_options must be an object"),
+    ({"prompt": "x", "top_k": 0.0}, 400, "top_k", "top_k must be an integer >= 1 or None, got 0.0"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "model 'gpt-4' is not served here; this server serves 'target'"),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "messages", "this model has no chat template"),
 ])

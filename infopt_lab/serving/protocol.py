@@ -78,7 +78,7 @@ def _parse(body: dict, kind: str, model_name: str) -> Request:
     prompt = messages(body.get("messages")) if kind == "chat" else completion_prompt(body.get("prompt"))
     length = body.get("max_completion_tokens") if body.get("max_tokens") is None else body.get("max_tokens")
     stream = validate.boolean("stream", body.get("stream", False))
-    options = body.get("stream_options") or {}
+    options = _given(body, "stream_options", {})
     validate.instance("stream_options", options, dict, 'an object such as {"include_usage": true}')
     if set(options) - {"include_usage"}:
         raise ValueError(f"stream_options may hold only include_usage, got {sorted(options)}")
@@ -88,16 +88,21 @@ def _parse(body: dict, kind: str, model_name: str) -> Request:
         top_k=_top_k(body.get("top_k")),
         top_p=validate.real("top_p", body.get("top_p"), low=0, high=1, allow_none=True, low_open=True),
         seed=validate.integer("seed", body.get("seed"), low=0, high=2**63 - 1, allow_none=True),
-        stop_token_ids=tuple(validate.integers("stop_token_ids", body.get("stop_token_ids") or [], low=0,
+        stop_token_ids=tuple(validate.integers("stop_token_ids", _given(body, "stop_token_ids", []), low=0,
                                                nonempty=False)),
         stop_at_eos=not validate.boolean("ignore_eos", body.get("ignore_eos", False)))
     return Request(kind, prompt, params, stream, validate.boolean("include_usage", options.get("include_usage", True)),
                    validate.boolean("return_token_ids", body.get("return_token_ids", False)))
 
 
+def _given(body: dict, name: str, default):
+    """A field's value, `default` when absent or null (an empty string or list is a value, not an absence)."""
+    return default if body.get(name) is None else body[name]
+
+
 def _top_k(value) -> int | None:
     """vLLM's top_k: an integer >= 1, or -1 / 0 / null for no limit."""
-    if value in (-1, 0) and not isinstance(value, bool):
+    if type(value) is int and value in (-1, 0):
         return None
     return validate.integer("top_k", value, low=1, allow_none=True)
 
