@@ -349,3 +349,25 @@ def test_serve_and_loadtest_commands(tmp_path, capsys):
     assert "goodput (req/s)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["loadtest", "--url", url, "--rate", "1", "--concurrency", "2"])   # one or the other
+
+
+def test_shutdown_with_a_request_in_flight_ends_it_and_frees_everything(target):
+    """Stopping the server mid-stream: the client's stream ends (finished or cut), the engine loop stops, no blocks held."""
+    import threading
+    got = []
+
+    def read(url):
+        try:
+            with httpx.Client(timeout=TIMEOUT_S) as c, c.stream("POST", url + "/v1/completions", json={
+                    "prompt": "def f():", "max_tokens": 900, "ignore_eos": True, "stream": True}) as r:
+                got.extend(r.iter_lines())
+        except httpx.HTTPError as e:
+            got.append(type(e).__name__)
+    with server(*target) as (url, aengine):
+        reader = threading.Thread(target=read, args=(url,))
+        reader.start()
+        wait_until(lambda: aengine.engine.blocks.num_used > 0, "the request to start")
+    reader.join(TIMEOUT_S)
+    assert not reader.is_alive() and got                         # the client was answered or cut, never left hanging
+    assert not aengine.thread.is_alive()
+    assert aengine.engine.blocks.num_used == 0 and aengine.engine.sequences == {}
