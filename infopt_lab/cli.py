@@ -1,4 +1,4 @@
-"""The `infopt-lab` command: doctor, fetch, card, bench, train, assign, grade."""
+"""The `infopt-lab` command: doctor, fetch, card, bench, train, serve, loadtest, assign, grade."""
 from __future__ import annotations
 
 import argparse
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, help="a model directory whose weights start the run "
                                                 "(draft-distill starts from a trained draft)")
     p.set_defaults(func=_cmd_train)
+    from .serving.cli import add_subcommands as add_serving_subcommands
+    add_serving_subcommands(sub)
     from .grading.cli import add_subcommands as add_grading_subcommands
     add_grading_subcommands(sub)
     return parser

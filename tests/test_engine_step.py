@@ -94,3 +94,60 @@ def test_the_pool_owns_the_block_size(pair):
     assert engine.blocks.num_blocks == engine.cache.num_blocks == 10
     with pytest.raises(ValueError, match="BlockManager.for_pool"):
         ModelRunner(target, engine.cache, BlockManager(10, 4))
+
+
+# -- streaming and aborting: what a server needs from the loop -------------------------------------------
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_step_tokens_add_up_to_each_output(pair, policy):
+    """The tokens each step reports per request, joined in order, are exactly the request's output."""
+    target, _, tok = pair
+    engine = lab.Engine(target, tok, scheduler=policy, max_batch_size=3, max_num_batched_tokens=16)
+    lengths = [5, 9, 3, 7]
+    ids = [engine.add_request(p, lab.SamplingParams(max_new_tokens=n, stop_at_eos=False))
+           for p, n in zip(PROMPTS, lengths)]
+    streamed, finished = {i: [] for i in ids}, {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        for i, toks in engine.step_tokens.items():
+            streamed[i] += toks
+        finished.update({o.request_id: o.token_ids for o in outs})
+    assert streamed == finished
+    assert [len(streamed[i]) for i in ids] == lengths
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_abort_frees_blocks_at_the_next_step_and_others_are_unchanged(pair, policy):
+    target, _, tok = pair
+    params = lab.SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    alone = lab.Engine(target, tok, scheduler=policy, max_batch_size=4).generate(PROMPTS[:3], params)
+    engine = lab.Engine(target, tok, scheduler=policy, max_batch_size=4)
+    idle = engine.blocks.num_used
+    ids = [engine.add_request(p, params) for p in PROMPTS[:4]]
+    engine.step()
+    engine.step()
+    engine.abort_request(ids[3])                      # running: it holds blocks
+    assert ids[3] in engine.sequences                 # nothing happens before the next step
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert ids[3] not in engine.sequences
+    assert sorted(o.request_id for o in outs) == ids[:3]
+    assert [o.token_ids for o in sorted(outs, key=lambda o: o.request_id)] == [o.token_ids for o in alone]
+    assert engine.blocks.num_used == idle
+
+
+def test_abort_of_a_queued_request_and_release(pair):
+    target, _, tok = pair
+    engine = lab.Engine(target, tok, max_batch_size=1)
+    a = engine.add_request("x = 1", lab.SamplingParams(max_new_tokens=3))
+    b = engine.add_request("import os", lab.SamplingParams(max_new_tokens=3))
+    engine.abort_request(b)                           # still queued behind a
+    with pytest.raises(ValueError, match=f"request {a} has not finished"):
+        engine.release(a)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == [a]
+    engine.release(a)
+    assert engine.sequences == {} and engine.blocks.num_used == 0
+    assert engine.add_request("x", lab.SamplingParams(max_new_tokens=1)) == b + 1   # ids are never reused

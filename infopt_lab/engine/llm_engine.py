@@ -116,6 +116,8 @@ class LLMEngine:
         self.device = self.runner.device
         self.sequences: dict[int, Sequence] = {}    # every request added since the clock was reset
         self.refused: list[Sequence] = []          # refused since the last step, reported by the next
+        self.next_id, self.aborting = 0, []        # the next request's id; ids to drop at the next step
+        self.step_tokens: dict[int, list[int]] = {}   # request id -> tokens it gained in the last step (streaming)
         self.reset_clock()
 
     def reset_clock(self) -> None:
@@ -137,7 +139,7 @@ class LLMEngine:
         """Queue one request (text, or token ids); its id. One that can never be served is refused by the next step."""
         params = sampling_params(params)
         arrival = self.now() if arrival_s is None else validate.arrival_time("arrival_s", arrival_s)
-        seq_id = len(self.sequences)
+        seq_id, self.next_id = self.next_id, self.next_id + 1
         seq = Sequence(seq_id, self._ids(prompt), params, arrival, params.stop_ids(self.tok.eos_token_id),
                        make_generator(params.seed, self.device))
         self.sequences[seq_id] = seq
@@ -153,7 +155,18 @@ class LLMEngine:
     def abort_all(self) -> None:
         """Drop every request, queued, running or refused, and free the KV blocks they held."""
         self.scheduler.clear()
-        self.sequences, self.refused = {}, []
+        self.sequences, self.refused, self.aborting, self.next_id = {}, [], [], 0
+
+    def abort_request(self, request_id: int) -> None:
+        """Drop one request (a client hung up): at the next step it leaves the queue or the batch, its blocks freed."""
+        self.aborting.append(request_id)
+
+    def release(self, request_id: int) -> None:
+        """Forget a finished request's state (a server keeps no history); an unfinished one is refused."""
+        seq = self.sequences.get(request_id)
+        if seq is not None and not seq.done:
+            raise ValueError(f"request {request_id} has not finished; abort_request it instead")
+        self.sequences.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, or refused but not yet reported."""
@@ -181,13 +194,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; the outputs of the requests that finished in it (refused ones included)."""
         finished, self.refused = self.refused, []
+        self._apply_aborts()
         batch = self.scheduler.schedule(self.now())
+        before = [(c.seq, len(c.seq.output_ids)) for c in batch.chunks]
         if not batch.empty:
             finished += self._run(batch)
+        self.step_tokens = {s.seq_id: s.output_ids[n:] for s, n in before if len(s.output_ids) > n}
         self.stats.wall_s = self.now()
         for seq in finished:
             self._count(seq)
         return [self.output(s) for s in finished]
+
+    def _apply_aborts(self) -> None:
+        """Drop the requests aborted since the last step: the scheduler frees their blocks, the engine forgets them."""
+        for request_id in self.aborting:
+            seq = self.sequences.pop(request_id, None)
+            if seq is not None and not seq.done:
+                self.scheduler.abort(seq)
+            if seq in self.refused:
+                self.refused.remove(seq)
+        self.aborting = []
 
     def _run(self, batch: Batch) -> list[Sequence]:
         """Run a scheduled batch (the model runner, or the speculator), let the scheduler apply it; who finished."""

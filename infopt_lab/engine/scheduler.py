@@ -68,6 +68,15 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop one request, queued or running (its client gave up): its blocks are freed, it never finishes."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.blocks.free(seq.seq_id)
+            self.running.remove(seq)
+        seq.status, seq.slot, seq.error = Status.FAILED, None, "aborted"
+
     @property
     def has_work(self) -> bool:
         """Whether any request is queued or running."""
