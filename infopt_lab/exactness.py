@@ -8,9 +8,12 @@ that follows. The rule this package states and tests:
 
 - under `batch_invariant=True` (invariant.py) outputs claimed identical are identical, bit for bit,
   in every dtype;
-- in the default mode they agree token for token except at rounding ties: a first divergence where
-  the reference's top-2 logit margin is below `TIE_MARGIN`. `compare` finds each first divergence,
-  measures the margin there and reports an agreement rate.
+- in the default mode, in fp32, they agree token for token except at rounding ties: a first
+  divergence where the reference's top-2 logit margin is below `TIE_MARGIN`. `compare` finds each
+  first divergence, measures the margin there and reports an agreement rate;
+- in bf16 and the quantized paths a many-row pass drifts by tenths of a logit (`row_count_drift`),
+  so the default mode can part from the reference where the margin is well above `TIE_MARGIN`:
+  there agreement is measured, never promised, and identical tokens are claimed in invariant mode.
 """
 from __future__ import annotations
 
