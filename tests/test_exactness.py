@@ -92,7 +92,7 @@ def test_smollm2_follows_the_rule_on_heldout_prompts_with_eos_in_the_window(smol
     """SmolLM2 fp32 with its draft, default mode: equal to generate, length included, except at rounding ties."""
     target, draft, tok = smol
     prompts = heldout_prompts(tok, 4, seed=11)
-    found = speculative_agreement(target, draft, tok, prompts, ks=(2, 5), new_tokens=40)
+    found = speculative_agreement(target, draft, tok, prompts, ks=(2, 5), new_tokens=32)
     assert found.pop("ended at EOS") >= 1                             # a chat answer ends inside the window
     for name, agreement in found.items():
         assert agreement.holds, f"{name}: {agreement.summary(tok)}"
@@ -109,11 +109,11 @@ def test_invariant_mode_is_identical_where_the_default_is_not_promised(pair, nam
     assert all(a.rate == 1.0 for a in found.values()), {k: a.summary(tok) for k, a in found.items()}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_smollm2_engine_batched_equals_alone_in_invariant_mode(smol, precision):
-    """16 mixed requests on the real model: the batched engine gives each request's tokens alone, bit for bit."""
+def test_smollm2_int8_engine_batched_equals_alone_in_invariant_mode(smol):
+    """16 mixed requests on the real model, int8 weights (the default mode's drift is largest there): the
+    batched engine gives each request's tokens alone, bit for bit (fp32: test_invariant's engine test)."""
     target, _, tok = smol
-    model = target if precision == "fp32" else lab.quantize_model(target, "int8")
+    model = lab.quantize_model(target, "int8")
     prompts, lengths = PROMPTS[:16], [max(1, n // 3) for n in LENGTHS[:16]]
     want = [lab.generate(model, tok, p, max_new_tokens=n, stop_at_eos=False, batch_invariant=True).token_ids
             for p, n in zip(prompts, lengths)]
