@@ -9,13 +9,7 @@ from infopt_lab.bench.exactness import heldout_prompts, speculative_agreement
 from infopt_lab.generate import recompute
 from infopt_lab.exactness import TIE_MARGIN, Agreement, Divergence, compare, exact_tokens, first_difference
 from test_engine import LENGTHS, PROMPTS
-
-
-@pytest.fixture(scope="module")
-def pair():
-    target, tok = lab.load_model("target", dtype=torch.float32)
-    draft, _ = lab.load_model("draft", dtype=torch.float32)
-    return target, draft, tok
+from test_spec_decode import pair  # noqa: F401  (the bundled pair in fp32, one fixture for both files)
 
 
 @pytest.fixture(scope="module")
