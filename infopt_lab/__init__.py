@@ -1,6 +1,6 @@
 """infopt-lab: LLM inference optimization, measured. `import infopt_lab as lab`."""
 from . import kernels  # first: without CUDA it sets TRITON_INTERPRET=1 before anything imports triton
-from . import batching, costs, data, exactness, kv_cache, metrics, quantize, sampling, speculative, timing
+from . import batching, compiled, costs, data, exactness, kv_cache, metrics, quantize, sampling, speculative, timing
 from .batching import static_batch_utilization
 from .config import PRESETS, ModelConfig, get_preset
 from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, forward_cost, generation_cost,
@@ -17,8 +17,9 @@ from .loading import load_model
 from .metrics import model_weight_bytes, percentiles, request_metrics, throughput, weight_memory_gb
 from .model import Transformer
 from .quality import Evaluation, bits_per_byte, evaluate, perplexity
-from .quantize import (QuantLinear, dequantize, pack_int4, quantization_error, quantize_asymmetric,
-                       quantize_linear, quantize_model, quantize_symmetric, state_dict_bytes, unpack_int4)
+from .quantize import (QuantEmbedding, QuantLinear, WeightBytes, dequantize, pack_int4, quantization_error,
+                       quantize_asymmetric, quantize_linear, quantize_model, quantize_symmetric, state_dict_bytes,
+                       unpack_int4, weight_bytes)
 from .sampling import SamplingParams, check_request, draw, logits_to_probs, sample
 from .speculative import expected_tokens_per_pass, prompt_lookup_generate, speculative_generate
 from .timing import Timer, measure_bandwidth_gbs, measure_matmul_flops, measure_roofline, time_fn, time_interleaved
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 # The public API: every name a notebook, a grader or a test may call as `lab.<name>`.
 __all__ = [
     # modules
-    "batching", "costs", "data", "exactness", "kernels", "kv_cache", "metrics", "quantize", "sampling", "speculative", "timing",
+    "batching", "compiled", "costs", "data", "exactness", "kernels", "kv_cache", "metrics", "quantize", "sampling", "speculative", "timing",
     # models, configs, devices
     "load_model", "Transformer", "ModelConfig", "PRESETS", "get_preset",
     "HAS_CUDA", "HAS_TRITON", "default_dtype", "get_device", "synchronize",
@@ -50,7 +51,8 @@ __all__ = [
     "Evaluation", "evaluate", "perplexity", "bits_per_byte",
     # quantization
     "QuantLinear", "dequantize", "pack_int4", "quantization_error", "quantize_asymmetric", "quantize_linear",
-    "quantize_model", "quantize_symmetric", "state_dict_bytes", "unpack_int4",
+    "quantize_model", "quantize_symmetric", "state_dict_bytes", "unpack_int4", "QuantEmbedding", "WeightBytes",
+    "weight_bytes",
     # attention (flash_attention and attention_path load Triton on first use)
     "attention_reference", "attention_tiled", "flash_attention", "attention_path",
 ]

@@ -50,7 +50,12 @@ def _cmd_bench(args) -> int:
     if args.json is not None:
         print("infopt-lab bench: error: --json writes the ladder's rungs; use it with --ladder", file=sys.stderr)
         return 2
-    run(only=args.only, model_name="target" if args.model is None else args.model)
+    model = args.model if args.model is not None else "smollm2-135m" if args.against else "target"
+    try:
+        run(only=args.only, against=args.against, model_name=model)
+    except ValueError as e:
+        print(f"infopt-lab bench: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -94,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="'target' (default; smollm2-135m for --ladder), 'smollm2-135m' (the real model: decode, "
                         "precision and batch_size by default) or a model directory")
+    from .bench import AGAINST
+    p.add_argument("--against", choices=list(AGAINST), default=None,
+                   help="with --only decode: decode beside llama.cpp on the real model's own GGUF file, interleaved "
+                        "with our int4, int8, bf16 and fp32, eager and compiled (needs llama-cpp-python: "
+                        "pip install 'infopt-lab[llama]'; without it, one line says how)")
     p.add_argument("--ladder", action="store_true",
                    help="the optimization ladder on the agentic workload: every rung, priced (about 15 minutes "
                         "on SmolLM2 on a 2-core CPU)")

@@ -47,8 +47,16 @@ class Decoder:
     """A model, its KV cache, and how many positions the cache holds: feed tokens, get logits, roll back."""
 
     def __init__(self, model, batch_size: int, capacity: int, cache_factory: Callable = KVCache.for_model,
-                 batch_invariant: bool = False):
-        self.model, self.cache = model, cache_factory(model, batch_size, capacity)
+                 batch_invariant: bool = False, compile: bool = False):
+        self.compiled = None                     # the compiled one-token step (compiled.py), with compile=True
+        if compile:
+            from .compiled import StaticKVCache, compile_model, static_capacity
+            check_compile(batch_invariant, cache_factory)
+            self.compiled = compile_model(model)
+            self.cache = StaticKVCache.for_model(model, batch_size, static_capacity(model, capacity))
+        else:
+            self.cache = cache_factory(model, batch_size, capacity)
+        self.model = model
         self.batch_invariant = batch_invariant   # every row of a feed computed as if it were fed alone
         self.device = next(model.parameters()).device
         self.pos = 0                  # positions written so far
@@ -61,12 +69,24 @@ class Decoder:
         input_pos = torch.arange(self.pos, self.pos + T, device=self.device)
         self.pos += T
         self.forwards += 1
+        if self.compiled is not None and T == 1:
+            return self.compiled.step(tokens, input_pos, self.cache.layers)
         with invariant(self.batch_invariant):
             return self.model(tokens, input_pos, self.cache)
 
     def rollback(self, n: int) -> None:
         """Forget the last n positions: later writes overwrite them and attention never reads them."""
         self.pos -= n
+
+
+def check_compile(batch_invariant: bool, cache_factory: Callable = KVCache.for_model) -> None:
+    """Raise ValueError where compile=True meets an option it cannot honour."""
+    if batch_invariant:
+        raise ValueError("compile=True runs the fast kernels of the compiled graph; batch_invariant=True runs each "
+                         "row alone in eager code: choose one")
+    if cache_factory != KVCache.for_model:
+        raise ValueError("compile=True decodes over its own static cache (compiled.StaticKVCache); "
+                         "leave cache_factory at its default")
 
 
 def finish_tokens(tokens: list[int], produced: int, max_new_tokens: int,
@@ -107,14 +127,17 @@ def recompute(model, ids: Tensor, batch_invariant: bool = False) -> Tensor:
 @torch.inference_mode()
 def generate_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache: bool = True,
                     eos_id: int | None = None, cache_factory: Callable = KVCache.for_model,
-                    batch_invariant: bool = False) -> Iterator[Tensor]:
+                    batch_invariant: bool = False, compile: bool = False) -> Iterator[Tensor]:
     """Yield the next token of every sequence [B], one step at a time (a single sequence stops at a stop id)."""
     B, T = input_ids.shape
     for row in input_ids.tolist():
         check_request(row, params, model.config)
     stops = params.stop_ids(eos_id)
     generator = make_generator(params.seed, input_ids.device)
-    decoder = Decoder(model, B, T + params.max_new_tokens, cache_factory, batch_invariant) if use_cache else None
+    if compile and not use_cache:
+        raise ValueError("compile=True compiles the cached one-token step; use_cache=False has none")
+    decoder = Decoder(model, B, T + params.max_new_tokens, cache_factory, batch_invariant, compile) \
+        if use_cache else None
     seq = input_ids
     logits = (decoder.feed(input_ids) if use_cache else recompute(model, input_ids, batch_invariant))[:, -1]  # (B, V)
     for i in range(params.max_new_tokens):
@@ -134,7 +157,7 @@ def generate_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache:
 
 def timed_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache: bool = True,
                  eos_id: int | None = None, cache_factory: Callable = KVCache.for_model,
-                 batch_invariant: bool = False) -> Iterator[tuple[int, float]]:
+                 batch_invariant: bool = False, compile: bool = False) -> Iterator[tuple[int, float]]:
     """Yield each new token of one sequence [1, T] and when it was ready, in seconds from the start.
 
     The one timed decode loop: the device is waited for before the clock starts and before each reading,
@@ -142,7 +165,8 @@ def timed_tokens(model, input_ids: Tensor, params: SamplingParams, use_cache: bo
     """
     synchronize(input_ids.device)
     start = time.perf_counter()
-    for token in generate_tokens(model, input_ids, params, use_cache, eos_id, cache_factory, batch_invariant):
+    for token in generate_tokens(model, input_ids, params, use_cache, eos_id, cache_factory, batch_invariant,
+                                 compile):
         synchronize(input_ids.device)
         yield int(token[0]), time.perf_counter() - start
 
@@ -157,18 +181,21 @@ def encode_prompt(model, tok, prompt: str) -> Tensor:
 
 
 def generate(model, tok, prompt: str, params: SamplingParams | None = None, *, use_cache: bool = True,
-             batch_invariant: bool = False, **overrides) -> GenerationOutput:
+             batch_invariant: bool = False, compile: bool = False, **overrides) -> GenerationOutput:
     """Complete one prompt and time it: text, tokens, TTFT, TPOT, tokens/s. Keyword overrides: SamplingParams fields.
 
     `batch_invariant=True` computes every row of a pass as if it were alone (invariant.py), so the tokens
     equal, bit for bit, what speculative decoding and the engine give in that mode.
+    `compile=True` runs each one-token step through the compiled graph of compiled.py (compiled once per
+    model and shape, with a progress bar; eager with one line saying why where compiling fails here).
     """
     params = sampling_params(params, **overrides)
     input_ids = encode_prompt(model, tok, prompt)
     new, times = [], []
     batch_invariant = validate.boolean("batch_invariant", batch_invariant)
+    compile = validate.boolean("compile", compile)
     for token, seconds in timed_tokens(model, input_ids, params, use_cache, tok.eos_token_id,
-                                       batch_invariant=batch_invariant):
+                                       batch_invariant=batch_invariant, compile=compile):
         new.append(token)
         times.append(seconds)
     m = request_metrics(0.0, times)

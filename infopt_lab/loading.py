@@ -78,7 +78,9 @@ def load_model(name_or_path: str | Path = "target", dtype: torch.dtype | None = 
     device = torch.device(device) if device is not None else get_device()
     dtype = dtype or default_dtype(device)
     model = Transformer.from_pretrained(path, dtype=dtype, device=device)
-    if device.type == "cpu":     # the CPU's matrix-vector product streams column-major weights faster (model.py)
+    if device.type == "cpu" and dtype == torch.float32:
+        # MKL's fp32 matrix-vector product streams column-major weights faster (model.py); its bf16 one
+        # crawls over them (several times slower than over row-major ones, measured on an AVX2 CPU)
         set_weight_layout(model, "column")
     fuse_projections(model)      # q, k, v and gate, up as one product each: same weights, fewer calls
     return model, load_tokenizer_dir(path)

@@ -68,6 +68,7 @@ class Fusion:
             self.bias = torch.cat([l.bias.detach() for l in linears]) if all(has_bias) else None
         if any(has_bias) and self.bias is None:
             raise ValueError("either all fused linears have a bias or none does")
+        self.frozen = False                      # whether it held when a step was last compiled (freeze_fusions)
         self.sizes, start = [l.out_features for l in linears], 0
         for l, n in zip(linears, self.sizes):
             l.weight = nn.Parameter(self.weight[start:start + n], requires_grad=l.weight.requires_grad)
@@ -99,6 +100,27 @@ class Fusion:
         return None
 
 
+def fused_in_use(module: nn.Module) -> bool:
+    """Whether an attention's or MLP's fused product (model.Fusion, quantize.QuantFusion) computes its projections.
+
+    Eager code asks the fusion every call. A compiled step cannot read data pointers, so it reads the
+    answer `freeze_fusions` wrote when the step was compiled (compiled.py): a graph guard, not a check.
+    """
+    fused = module.fused
+    if fused is None:
+        return False
+    if torch.compiler.is_compiling():
+        return fused.frozen
+    return fused.holds(module.projections())
+
+
+def freeze_fusions(model: nn.Module) -> None:
+    """Record, on every fusion, whether it holds now: what a step compiled next will compute with."""
+    for module in model.modules():
+        if getattr(module, "fused", None) is not None:
+            module.fused.frozen = module.fused.holds(module.projections())
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -118,11 +140,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache) -> Tensor:
         # cache: anything with `attend(layer, q, k, v, input_pos)` (attention.py's contract)
         B, T, C = x.shape
-        projections = self.projections()
-        if self.fused is not None and self.fused.holds(projections):
+        if fused_in_use(self):
             q, k, v = self.fused(x)
         else:
-            q, k, v = (p(x) for p in projections)
+            q, k, v = (p(x) for p in self.projections())
         q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
         k = k.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = v.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
@@ -144,7 +165,7 @@ class MLP(nn.Module):
         return self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused is not None and self.fused.holds(self.projections()):
+        if fused_in_use(self):
             gate, up = self.fused(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -200,18 +221,23 @@ class Transformer(nn.Module):
         """The final norm and the LM head: hidden states [..., C] -> logits [..., V]."""
         return self.lm_head(self.norm(h))
 
+    def rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and signed sin rows [T, D] of positions [T], in the activations' dtype."""
+        dtype = self.norm.weight.dtype
+        return self.rope_cos[input_pos].to(dtype), self.rope_sin[input_pos].to(dtype)
+
     def hidden_states(self, input_ids: Tensor, input_pos: Tensor | None = None, cache=None) -> Tensor:
         """The decoder stack without the head: [B, T] token ids -> [B, T, C] (the engine picks rows first)."""
         # input_ids: [B, T]; input_pos: [T] absolute positions (default 0..T-1)
         B, T = input_ids.shape
         if input_pos is None:
             input_pos = torch.arange(T, device=input_ids.device)
-        last = int(input_pos.max())
-        if last >= self.config.max_seq_len:
-            raise ValueError(f"position {last} is past the model's context of "
-                             f"{self.config.max_seq_len} tokens")
-        cos = self.rope_cos[input_pos].to(self.embed_tokens.weight.dtype)   # (T, D)
-        sin = self.rope_sin[input_pos].to(self.embed_tokens.weight.dtype)
+        if not torch.compiler.is_compiling():     # a compiled step checks positions before it runs (compiled.py)
+            last = int(input_pos.max())
+            if last >= self.config.max_seq_len:
+                raise ValueError(f"position {last} is past the model's context of "
+                                 f"{self.config.max_seq_len} tokens")
+        cos, sin = self.rope(input_pos)                                      # (T, D) each
         cache = NoCache() if cache is None else cache
         x = self.embed_tokens(input_ids)                                     # (B, T, C)
         for block in self.layers:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)   # the group sizes aten._weight_int4pack_mm_for_cpu takes
 
@@ -96,3 +96,34 @@ def pack_int4_for_cpu_kernel(weight_q: Tensor, scales: Tensor, zeros: Tensor,
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)                 # (N, K/2) uint8, tiled
     sz = int4_kernel_scales_and_zeros(scales.cpu(), zeros.cpu(), group_size, kernel_group)   # (K/kg, N, 2) bf16
     return packed, sz, kernel_group
+
+
+# -- an embedding tied to a quantized head ------------------------------------------------------------
+class QuantEmbedding(nn.Module):
+    """An embedding tied to a quantized head: it gathers rows of the head's integers and dequantizes only those.
+
+    The head stays the one owner of the buffers (saved under lm_head); this module keeps a reference to it,
+    not a copy, so a quantized model holds no float table of its vocabulary.
+    """
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self._head = [head]                     # in a list: a reference, not a submodule (its buffers count once)
+
+    @property
+    def head(self) -> nn.Module:
+        return self._head[0]
+
+    def forward(self, ids: Tensor) -> Tensor:
+        # ids: [...] token ids -> [..., C] rows in the head's float dtype
+        h, flat = self.head, ids.reshape(-1)
+        if h.scheme == "int8":
+            rows = dequantize(h.weight_q.index_select(0, flat), h.scales.index_select(0, flat)[:, None], dtype=h.dtype)
+        else:
+            q = unpack_int4(h.weight_q.index_select(0, flat), h.in_features)                 # (n, C)
+            rows = dequantize(q, h.scales.index_select(0, flat), h.zeros.index_select(0, flat), dtype=h.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the {self.head.scheme} head"

@@ -104,7 +104,13 @@ class DerivedOperands:
         self.kept: tuple | None = None                      # (source tensors, their versions, operands)
 
     def get(self, layer) -> object:
-        """The operands for the layer's current buffers, derived again only if they changed."""
+        """The operands for the layer's current buffers, derived again only if they changed.
+
+        A compiled step (compiled.py) reads the operands kept when it was traced, since versions cannot be read
+        while tracing; a buffer replaced or edited after that needs the step compiled again.
+        """
+        if torch.compiler.is_compiling() and self.kept is not None:
+            return self.kept[2]
         tensors = tuple(getattr(layer, name) for name in self.buffers)
         try:
             versions = tuple(t._version for t in tensors)

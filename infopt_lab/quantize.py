@@ -10,13 +10,15 @@ How the result is stored and read back (int4 packing, dequantize) is `quant_form
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from . import validate
 from .invariant import rowwise
-from .quant_format import dequantize, pack_int4, unpack_int4   # the stored format, shared with the int4 kernels
+from .quant_format import QuantEmbedding, dequantize, pack_int4, unpack_int4   # the stored format (and the
+                                                                                # embedding that reads a head's)
 from .quant_format import (INT4_KERNEL_GROUPS, int4_kernel_group,  # noqa: F401  (re-exported: their old home)
                            pack_int4_for_cpu_kernel)
 from .quant_kernels import DEQUANT_MATMUL, INT4_KERNEL, INT8_KERNEL, KernelChoice, choose_kernels, kernel_choice
@@ -210,6 +212,7 @@ class QuantFusion:
         present = [name for name in self.BUFFERS if first._buffers.get(name) is not None]
         stacked = {name: torch.cat([layer._buffers[name] for layer in layers]) for name in present}
         self.sizes = [layer.out_features for layer in layers]
+        self.frozen = False                      # whether it held when a step was last compiled (model.freeze_fusions)
         self.layer = QuantLinear(first.in_features, sum(self.sizes), first.scheme, first.group_size,
                                  stacked.pop("bias", None), first.dtype)
         for name, tensor in stacked.items():
@@ -271,9 +274,9 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
     """A deep copy of `model` with every nn.Linear swapped for a QuantLinear; the original is untouched.
 
     A head tied to the embedding is quantized too unless `quantize_tied_head=False`: it is the largest single
-    matmul of a small model (49152 x 576 in SmolLM2-135M, a fifth of its weights). The copy is then untied: the
-    embedding keeps its float table (a lookup gathers rows of it, nothing to multiply) and the head its integers,
-    so the state_dict grows by the quantized head while decoding reads far fewer bytes per token.
+    matmul of a small model (49152 x 576 in SmolLM2-135M, a fifth of its weights). The embedding then gathers
+    its rows from the head's integers (QuantEmbedding): no float table is kept, so both the bytes in memory
+    and the bytes a step streams fall (`weight_bytes`), at the cost of embedding rows rounded like the head's.
     `head_scheme` gives the output head its own scheme (None: the same as the rest), as GGUF files often
     keep the embedding and head at 8 bits under 4-bit layers; an int4 head uses `group_size` too.
     """
@@ -290,7 +293,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
         raise ValueError("model has no nn.Linear layer to quantize")
     new = copy.deepcopy(model)
     tied = {id(m.weight) for m in new.modules() if isinstance(m, nn.Embedding)}
-    untied = False
+    untied, heads = False, {}
     for name, module in list(new.named_modules()):
         if not isinstance(module, nn.Linear) or name in skip:
             continue
@@ -304,6 +307,13 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
         parent_name, _, child = name.rpartition(".")
         parent = new.get_submodule(parent_name) if parent_name else new
         setattr(parent, child, quantize_linear(module, this, group))
+        if id(module.weight) in tied:
+            heads[id(module.weight)] = getattr(parent, child)
+    for name, module in list(new.named_modules()):                # a tied embedding reads the quantized head
+        if isinstance(module, nn.Embedding) and id(module.weight) in heads:
+            parent_name, _, child = name.rpartition(".")
+            setattr(new.get_submodule(parent_name) if parent_name else new, child,
+                    QuantEmbedding(heads[id(module.weight)]))
     fuse_quantized(new)                                           # q, k, v and gate, up: one kernel call each
     config = getattr(new, "config", None)
     if untied and getattr(config, "tie_embeddings", False):
@@ -321,6 +331,36 @@ def state_dict_bytes(module: nn.Module) -> int:
         seen.add(key)
         total += t.numel() * t.element_size()
     return total
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """A model's weights three ways: what saving writes, what sits in memory, what one decode step reads."""
+    stored: int      # the state_dict, each shared tensor once
+    resident: int    # stored, plus what kernels keep beside it (the CPU int4 kernel's own packing of the integers)
+    streamed: int    # per decode step: every linear layer's weights (as its kernel reads them) and one embedding row
+
+
+def weight_bytes(model: nn.Module) -> WeightBytes:
+    """Stored, resident and streamed bytes of a model's weights (float or quantized)."""
+    stored = state_dict_bytes(model)
+    derived, streamed, seen = 0, 0, set()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            own = sum(t.numel() * t.element_size() for t in m._buffers.values() if t is not None)
+            kept = m.kernels.cached_bytes()
+            derived += kept
+            streamed += kept if m.path == INT4_KERNEL and kept else own
+        elif isinstance(m, nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            streamed += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, (nn.Embedding, QuantEmbedding)):
+            dtype = m.weight.dtype if isinstance(m, nn.Embedding) else m.head.dtype
+            streamed += m.embedding_dim * torch.empty((), dtype=dtype).element_size()
+    for fusion in (getattr(m, "fused", None) for m in model.modules()):
+        if isinstance(fusion, QuantFusion):          # the stacked layer's kernel operands serve its projections
+            derived += fusion.layer.kernels.cached_bytes()
+    return WeightBytes(stored, stored + derived, streamed)
 
 
 def quant_paths(model: nn.Module) -> dict[str, int]:

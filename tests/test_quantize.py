@@ -150,7 +150,7 @@ def test_quant_linear_matches_dequantized_matmul(scheme, group_size):
         assert rel < (0.01 if scheme == "int8" else 0.15)
 
 
-def test_quantize_model_quantizes_the_tied_head_and_keeps_the_embedding(tiny):
+def test_quantize_model_quantizes_the_tied_head_and_the_embedding_reads_its_integers(tiny):
     model, tok = tiny
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert model.lm_head.weight is model.embed_tokens.weight and model.config.tie_embeddings
@@ -160,18 +160,21 @@ def test_quantize_model_quantizes_the_tied_head_and_keeps_the_embedding(tiny):
     for scheme, g, tol in [("int8", None, 0.02), ("int4", 32, 0.2)]:
         q = lab.quantize_model(model, scheme, group_size=g)
         assert isinstance(q.lm_head, lab.QuantLinear) and sum(quant_paths(q).values()) == len(linears)
-        assert type(q.embed_tokens) is nn.Embedding and q.embed_tokens.weight.dtype == torch.float32
-        assert torch.equal(q.embed_tokens.weight, model.embed_tokens.weight)             # the float table, as is
-        assert q.embed_tokens.weight.data_ptr() != model.embed_tokens.weight.data_ptr()  # a copy: no sharing
+        assert type(q.embed_tokens) is lab.QuantEmbedding and q.embed_tokens.head is q.lm_head   # no float table
+        assert not list(q.embed_tokens.parameters()) and not list(q.embed_tokens.buffers())
+        torch.testing.assert_close(q.embed_tokens(ids), q.lm_head.dequantized_weight()[ids], rtol=0, atol=0)
         assert not q.config.tie_embeddings and model.config.tie_embeddings               # untied in the copy only
         alone = lab.quantize_linear(model.lm_head, scheme, g).state_dict()
         assert all(torch.equal(alone[k], q.lm_head.state_dict()[k]) for k in alone)
-        # the head's integers come on top of the float table they used to share: bytes count each tensor once
+        # the head's integers replace the float table they used to share: bytes count each tensor once
         head_bytes = sum(t.numel() * t.element_size() for t in alone.values())
         rest = lab.quantize_model(model, scheme, group_size=g, quantize_tied_head=False)
-        assert lab.state_dict_bytes(q) == lab.state_dict_bytes(rest) + head_bytes
+        table = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+        assert lab.state_dict_bytes(q) == lab.state_dict_bytes(rest) - table + head_bytes
         expected = sum(t.numel() * t.element_size() for t in q.state_dict().values())   # nothing shared now
         assert lab.state_dict_bytes(q) == expected
+        assert lab.weight_bytes(q).resident < lab.weight_bytes(rest).resident
+        assert lab.weight_bytes(q).streamed < lab.weight_bytes(rest).streamed
         rel = ((q(ids) - ref).norm() / ref.norm()).item()
         assert rel < tol, (scheme, rel)
     kept = lab.quantize_model(model, "int8", quantize_tied_head=False)
@@ -336,7 +339,8 @@ def test_head_scheme_gives_the_output_head_its_own_precision(tiny):
     model, _ = tiny
     q = lab.quantize_model(model, "int4", group_size=32, head_scheme="int8")
     assert q.lm_head.scheme == "int8" and q.layers[0].mlp.up_proj.scheme == "int4"
-    assert isinstance(q.embed_tokens, torch.nn.Embedding) and not isinstance(model.lm_head, lab.QuantLinear)
+    assert isinstance(q.embed_tokens, lab.QuantEmbedding) and q.embed_tokens.head.scheme == "int8"
+    assert not isinstance(model.lm_head, lab.QuantLinear)
     with pytest.raises(ValueError, match="head_scheme must be one of"):
         lab.quantize_model(model, "int4", group_size=32, head_scheme="fp8")
 

@@ -19,6 +19,7 @@ from .decode import (DEFAULT_PROMPT, KV_PROMPT_TEXT, PASS_SIZES, KVComparison, b
 from .engine import bench_engine
 from .exactness import bench_exactness
 from .invariant import bench_invariant
+from .overhead import AGAINST, bench_overhead
 from .quant import bench_quant
 from .result import Result, Run, describe_model
 from .speculative import bench_speculative
@@ -35,25 +36,36 @@ LADDER: dict[str, Callable[..., Result]] = {
     "engine": bench_engine,
     "invariant": bench_invariant,
     "exactness": bench_exactness,
+    "overhead": bench_overhead,
 }
 
 # the rungs `infopt-lab bench --model smollm2-135m` runs by default: the real model's speed lessons
-REAL_MODEL_RUNGS = ("decode", "precision", "batch_size")
+REAL_MODEL_RUNGS = ("decode", "precision", "batch_size", "overhead")
 
 
-def run(only: list[str] | None = None, **kwargs) -> list[Result]:
-    """Run the named rungs (by default all of them, or REAL_MODEL_RUNGS on the real model) and print each."""
+def run(only: list[str] | None = None, against: str | None = None, **kwargs) -> list[Result]:
+    """Run the named rungs (by default all of them, or REAL_MODEL_RUNGS on the real model) and print each.
+
+    `against="llama.cpp"` measures decoding against llama.cpp on the real model's own GGUF file: the decode
+    rung is then the overhead rung with llama.cpp interleaved (bench_overhead).
+    """
     from ..device import describe
     from ..hub import REMOTE
+    if against is not None and against not in AGAINST:
+        raise ValueError(f"against must be one of {list(AGAINST)}, got {against!r}")
+    if against is not None and kwargs.get("model_name") not in REMOTE:
+        raise ValueError(f"--against {against} runs the GGUF file the real model came from: use --model "
+                         f"{sorted(REMOTE)[0]}")
     real = kwargs.get("model_name") in REMOTE
-    names = only or (list(REAL_MODEL_RUNGS) if real else list(LADDER))
+    names = only or (["decode"] if against else list(REAL_MODEL_RUNGS) if real else list(LADDER))
     unknown = [n for n in names if n not in LADDER]
     if unknown:
         raise ValueError(f"unknown benchmark {unknown}; choose from {list(LADDER)}")
     print("machine: " + ", ".join(f"{k} {v}" for k, v in describe().items()), flush=True)
     results = []
     for name in names:
-        result = LADDER[name](**kwargs)
+        result = bench_overhead(against=against, **kwargs) if against and name in ("decode", "overhead") \
+            else LADDER[name](**kwargs)
         print(result.render(), flush=True)
         results.append(result)
     return results
@@ -62,7 +74,7 @@ def run(only: list[str] | None = None, **kwargs) -> list[Result]:
 __all__ = [
     "LADDER", "REAL_MODEL_RUNGS", "run", "Result", "Run", "describe_model",
     "bench_decode", "bench_kv", "bench_quant", "bench_batching", "bench_batch_size", "bench_precision",
-    "bench_attention", "bench_speculative", "bench_engine", "bench_invariant", "bench_exactness",
+    "bench_attention", "bench_speculative", "bench_engine", "bench_invariant", "bench_exactness", "bench_overhead",
     # what notebooks and tests call as bench.<name>
     "ATTENTION_LENGTHS", "DEFAULT_PROMPT", "KV_PROMPT_TEXT", "PASS_SIZES", "KVComparison", "compare_policies",
     "bf16_decode_tokens_per_s", "decode_throughput", "decode_tokens_per_s", "kv_comparison", "kv_prompt_ids",

@@ -79,13 +79,17 @@ class LLMEngine:
     `stats.decode_attention` says which path each model's decode steps took.
     `batch_invariant=True` computes every row of a step as if it were alone (invariant.py): a request's tokens
     are then bit-identical to `lab.generate(..., batch_invariant=True)` whatever else shares its steps.
+    `compile=True` runs every step of single decode tokens through a compiled graph (compiled.py) at the
+    smallest batch bucket (1, 2, 4, ... max_batch_size) that holds it, each sequence's block table padded to
+    `max_model_len`: static shapes, compiled once per bucket; prefill, mixed and verify steps stay eager
+    (vLLM captures CUDA graphs the same way), and `stats.decode_attention` counts the compiled steps.
     """
 
     def __init__(self, model, tok, scheduler: str = "continuous", max_batch_size: int = 8, block_size: int = 16,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enable_prefix_caching: bool = False, draft=None,
                  num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto", cascade_attention: bool = False,
-                 batch_invariant: bool = False, paged_kernel: bool | None = None):
+                 batch_invariant: bool = False, paged_kernel: bool | None = None, compile: bool = False):
         validate.model("model", model)
         validate.choice("scheduler", scheduler, POLICIES)
         validate.choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
@@ -110,8 +114,10 @@ class LLMEngine:
                              "batch_invariant=True computes each sequence alone: choose one")
         if paged_kernel is not None:
             validate.boolean("paged_kernel", paged_kernel)
+        compile_shape = (self.max_batch_size, -(-self.max_model_len // self.cache.block_size)) \
+            if validate.boolean("compile", compile) else None
         self.runner = ModelRunner(model, self.cache, self.blocks, paged_kernel=paged_kernel, cascade=cascade,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant, compile_shape=compile_shape)
         self.speculator = Speculator(self.runner, draft, k, self.blocks, pool) if k else None
         self.device = self.runner.device
         self.sequences: dict[int, Sequence] = {}    # every request added since the clock was reset

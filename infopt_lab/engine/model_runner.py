@@ -34,6 +34,7 @@ SHORT = 16  # chunks up to this long (decode tokens, drafts to verify) are atten
 CASCADE_MIN_TOKENS = 64  # a shared prefix at least this long is read once for the whole batch (cascade=True)
 
 PAGED_KERNEL, GATHER, CASCADE = "paged kernel", "gather", "cascade"   # how a step's decode tokens attend
+COMPILED = "compiled"   # a step of single decode tokens through the compiled graph (compile=True)
 
 Sampler = Callable[[Tensor, list[Sequence]], list[int]]   # logits (R, V), one sequence per row -> a token per row
 
@@ -116,11 +117,44 @@ class PagedAttention:
         out[0][:, m.short_rows] = y.transpose(0, 1)                                        # (H, B_s, T_s, D)
 
 
+class CompiledPagedLayer:
+    """One layer's paged pool for a compiled decode step: every tensor of a fixed shape, whatever the step holds.
+
+    B rows, one decode token each (padding rows write to NULL_BLOCK), each attending over W * block_size
+    key slots (its block table padded with NULL_BLOCK) under a mask of its length: the step's shapes depend
+    only on B and W, so one graph per batch bucket serves every step (the shapes a CUDA graph replays).
+    """
+
+    def __init__(self, pool: PagedKVCache, layer: int, slots: Tensor, key_slots: Tensor, mask: Tensor):
+        self.k = pool._flat(pool.k, layer)            # (N_blocks * block_size, H_kv, D) views
+        self.v = pool._flat(pool.v, layer)
+        self.slots, self.key_slots, self.mask = slots, key_slots, mask   # [B], [B, S], [B, 1, 1, S]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        # q: [1, H, B, D]; k, v: [1, H_kv, B, D], one token per sequence
+        self.k.index_copy_(0, self.slots, k[0].transpose(0, 1))                           # (B, H_kv, D)
+        self.v.index_copy_(0, self.slots, v[0].transpose(0, 1))
+        kc = self.k[self.key_slots].transpose(1, 2)                                      # (B, H_kv, S, D)
+        vc = self.v[self.key_slots].transpose(1, 2)
+        qs = q[0].transpose(0, 1).unsqueeze(2)                                           # (B, H, 1, D)
+        y = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=self.mask, enable_gqa=q.shape[1] != k.shape[1])
+        return y.squeeze(2).transpose(0, 1).unsqueeze(0)                                 # (1, H, B, D)
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """The batch sizes a compiled decode step is built for: powers of two below max_batch_size, and it."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch_size]
+
+
 class ModelRunner:
     """Runs a model over packed chunks of many sequences, against a paged pool and its block tables."""
 
     def __init__(self, model, cache: PagedPool, blocks: BlockManager, paged_kernel: bool | None = None,
-                 cascade: bool = False, batch_invariant: bool = False):
+                 cascade: bool = False, batch_invariant: bool = False, compile_shape: tuple[int, int] | None = None):
         if blocks.block_size != cache.block_size or blocks.num_blocks != cache.num_blocks:
             raise ValueError(f"the block manager has {blocks.num_blocks} blocks of {blocks.block_size} tokens but "
                              f"the pool {cache.num_blocks} of {cache.block_size}; build it with BlockManager.for_pool")
@@ -131,6 +165,22 @@ class ModelRunner:
         self.paged_kernel_asked = paged_kernel      # what the engine was asked; a draft runner is asked the same
         self.paged_kernel, self.gather_reason = self._choose_decode_path(paged_kernel)
         self.decode_steps: dict[str, int] = {}     # steps whose decode tokens took each path ("paged kernel", ...)
+        # compile_shape = (max_batch_size, blocks per sequence): steps of single decode tokens run compiled
+        self.compiled, self.compile_reason, self.buckets, self.width = None, "compile=False", [], 0
+        if compile_shape is not None:
+            self._set_up_compile(*compile_shape)
+
+    def _set_up_compile(self, max_batch_size: int, width: int) -> None:
+        """Compile decode steps (compiled.py) at every batch bucket, where this runner's options allow it."""
+        from ..compiled import compile_model
+        if not isinstance(self.cache, PagedKVCache):
+            self.compile_reason = "a quantized KV pool: its steps run eagerly"
+        elif self.batch_invariant:
+            raise ValueError("compile=True runs the fast kernels of the compiled graph; batch_invariant=True runs "
+                             "each row alone in eager code: choose one")
+        else:
+            self.compiled, self.compile_reason = compile_model(self.model), None
+            self.buckets, self.width = batch_buckets(max_batch_size), width
 
     def _choose_decode_path(self, paged_kernel: bool | None) -> tuple[bool, str | None]:
         """Whether single decode tokens go through the Triton paged kernel for this model, and why not.
@@ -175,6 +225,10 @@ class ModelRunner:
 
         `padding` single-token rows are computed and thrown away (a static batch's finished members).
         """
+        if self.compiled is not None and self.compiled.failed is None and not self.cascade \
+                and all(c.num_tokens == 1 and c.logits == 1 for c in chunks) \
+                and len(chunks) + padding <= self.buckets[-1]:
+            return self._compiled_decode(chunks)
         ids, pos, slots, out_rows = [], [], [], []
         short, long = [], []
         for c in chunks:
@@ -198,6 +252,29 @@ class ModelRunner:
             logits = self.model.logits(h[0, self._tensor(out_rows)])                       # (R, V)
         if ctx.decode_path is not None:
             self.decode_steps[ctx.decode_path] = self.decode_steps.get(ctx.decode_path, 0) + 1
+        return logits
+
+    def _compiled_decode(self, chunks: list[Chunk]) -> Tensor:
+        """Logits [R, V] of a step of single decode tokens, run through the compiled graph at its batch bucket."""
+        B = next(b for b in self.buckets if b >= len(chunks))
+        size = self.blocks.block_size
+        ids, pos, slots, tables, lens = [], [], [], [], []
+        for c in chunks:
+            table = self.blocks.block_table(c.seq.seq_id)
+            ids.append(c.ids[0]), pos.append(c.start), lens.append(c.start + 1)
+            slots.append(self.blocks.slot(c.seq.seq_id, c.start))
+            tables.append(table + [NULL_BLOCK] * (self.width - len(table)))
+        for _ in range(B - len(chunks)):       # padding rows: a throw-away token in NULL_BLOCK, seeing itself
+            ids.append(0), pos.append(0), lens.append(1), slots.append(NULL_BLOCK * size)
+            tables.append([NULL_BLOCK] * self.width)
+        offsets = torch.arange(size, device=self.device)
+        key_slots = (self._tensor(tables)[:, :, None] * size + offsets).reshape(B, -1)      # (B, S)
+        keys = torch.arange(self.width * size, device=self.device)
+        mask = (keys[None, :] < self._tensor(lens)[:, None])[:, None, None]                 # (B, 1, 1, S)
+        slots_t = self._tensor(slots)
+        layers = [CompiledPagedLayer(self.cache, i, slots_t, key_slots, mask) for i in range(len(self.model.layers))]
+        logits = self.compiled.step(self._tensor([ids]), self._tensor(pos), layers)[0, :len(chunks)]   # (R, V)
+        self.decode_steps[COMPILED] = self.decode_steps.get(COMPILED, 0) + 1
         return logits
 
     def _tensor(self, values) -> Tensor:

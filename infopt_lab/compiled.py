@@ -1,0 +1,224 @@
+"""A compiled decode step: the per-token overhead of eager PyTorch removed (gpt-fast's lesson).
+
+An eager decode step runs about fifteen small operations per layer, each a Python call and a
+dispatch, and on a CPU MKL's one-row matrix product streams a weight well below the memory's
+speed. `torch.compile` traces one decoder layer into one graph that inductor turns into fused
+C++ loops (CPU) or Triton kernels replayed as CUDA graphs (GPU, `mode="reduce-overhead"`).
+Every layer has the same shapes, so all of a model's layers share one compiled graph: it
+compiles once, in seconds, then the step runs layer after layer through it.
+
+Shapes are static (gpt-fast's pattern): the cache holds a fixed number of positions,
+preallocated, and every step writes its keys at `input_pos` and attends over all positions
+with a mask, so one graph serves every position of a request. On a CPU a one-row product of
+float weights is lowered to a reduction that inductor writes itself, over row-major weights
+(`compile_model` re-lays a float model's weights row-major for it: the bench measures both);
+the quantized layers call their own kernels from inside the graph.
+
+Compiled tokens follow the rule of exactness.py: the graph sums in another order than eager
+code, so in fp32 they agree with eager decoding up to rounding ties, and in bf16 and the
+quantized paths agreement is measured. A machine where compiling fails (no C++ compiler, an
+unsupported op) decodes eagerly and says why, once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .kv_cache import KVCache
+
+aten = torch.ops.aten
+REDUCTION_MAX_ROWS = 1   # products of up to this many rows run as inductor's reduction on a CPU (one token, batch 1)
+CAPACITY_STEP = 128      # a request's cache is rounded up to a multiple of this: nearby lengths share one graph
+RECOMPILE_LIMIT = 256    # graphs dynamo keeps per compiled function (its default, 8, is met within one notebook)
+
+
+# -- the CPU lowering of a one-row product --------------------------------------------------------
+def _reduction_mm(a: Tensor, b: Tensor):
+    """a [M, K] @ b [K, N] as a multiply-and-sum inductor fuses into one pass over b, where b is a row-major
+    weight transposed (b.stride(0) == 1) and M is small; NotImplemented leaves the product to MKL."""
+    if a.device.type != "cpu" or a.shape[0] > REDUCTION_MAX_ROWS or b.stride(0) != 1 \
+            or a.dtype not in (torch.float32, torch.bfloat16) or b.dtype != a.dtype:
+        return NotImplemented
+    return (a[:, None, :].float() * b.t()[None].float()).sum(-1).to(a.dtype)          # (M, N), summed in fp32
+
+
+def _reduction_addmm(bias: Tensor, a: Tensor, b: Tensor, beta=1, alpha=1):
+    if beta != 1 or alpha != 1:
+        return NotImplemented
+    y = _reduction_mm(a, b)
+    return NotImplemented if y is NotImplemented else y + bias
+
+
+def cpu_backend(gm, example_inputs):
+    """Inductor with one-row float products lowered to its own reduction (the C++ backend)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+    table = {**select_decomp_table(), aten.mm.default: _reduction_mm, aten.addmm.default: _reduction_addmm}
+    return compile_fx(gm, example_inputs, decompositions=table)
+
+
+def compile_options(device: torch.device) -> dict:
+    """torch.compile's backend and mode for a device: CUDA graphs on CUDA, inductor's C++ with cpu_backend's
+    lowering elsewhere."""
+    if device.type == "cuda":
+        return dict(backend="inductor", mode="reduce-overhead")
+    return dict(backend=cpu_backend)
+
+
+# -- the static cache --------------------------------------------------------------------------------
+class StaticLayer:
+    """One layer of a static cache: k, v [B, H_kv, S, D]. Writes at `input_pos`, attends over all S under a mask."""
+
+    def __init__(self, k: Tensor, v: Tensor):
+        self.k, self.v = k, v
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        # q: [B, H, T, D]; k, v: [B, H_kv, T, D]; input_pos: [T] (a tensor, never read into Python)
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        keys = torch.arange(self.k.shape[2], device=q.device)
+        mask = keys[None, :] <= input_pos[:, None]                                      # (T, S)
+        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask,
+                                              enable_gqa=q.shape[1] != self.k.shape[1])
+
+
+class StaticKVCache(KVCache):
+    """A contiguous cache whose every call attends over all `max_seq_len` positions under a mask: one shape per
+    request length bucket, so a compiled step never recompiles as the request grows (gpt-fast's KV cache)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.layers = [StaticLayer(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
+        if self.k.device.type == "cuda":          # written in place by every step: CUDA graphs keep their address
+            for t in (self.k, self.v):
+                torch._dynamo.mark_static_address(t)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        if input_pos.numel() and int(input_pos[-1]) >= self.max_seq_len:
+            raise ValueError(f"position {int(input_pos[-1])} is past the cache's {self.max_seq_len} slots")
+        return self.layers[layer].attend(layer, q, k, v, input_pos)
+
+
+def static_capacity(model, positions: int) -> int:
+    """Cache positions for a request of `positions` tokens: rounded up to CAPACITY_STEP, within the context."""
+    limit = model.config.max_seq_len
+    return min(limit, -(-positions // CAPACITY_STEP) * CAPACITY_STEP) if positions <= limit else positions
+
+
+# -- the compiled model ------------------------------------------------------------------------------
+# A region dynamo traces once and every call reuses (invoke_subgraph): the stack of identical layers compiles
+# like one layer, and the whole step is one compiled call with one guard check (torch >= 2.8; older torch
+# inlines every layer: the same graph, compiled for longer).
+_region = getattr(torch.compiler, "nested_compile_region", lambda fn: fn)
+
+
+@_region
+def _run_block(block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache) -> Tensor:
+    return block(x, cos, sin, input_pos, cache)
+
+
+def _run_stack(model: nn.Module, ids: Tensor, input_pos: Tensor, layers) -> Tensor:
+    """ids [B, T] at positions [T] -> logits [B, T, V], layer i attending through layers[i]."""
+    x = model.embed_tokens(ids)                                                     # (B, T, C)
+    cos, sin = model.rope(input_pos)
+    for block, cache in zip(model.layers, layers):
+        x = _run_block(block, x, cos, sin, input_pos, cache)
+    return model.logits(x)
+
+
+def compile_failure(error: BaseException) -> str:
+    """One line on why compiling failed: the error's first line, without inductor's long advice (a failing
+    backend's own error, where dynamo wraps it)."""
+    error = getattr(error, "inner_exception", None) or error
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
+class CompiledModel:
+    """A model's decode step through `torch.compile`, shared by every static-shape step run with it.
+
+    `step(ids, input_pos, layers)` runs ids [B, T] at positions [T] through the embedding, every layer
+    (layer i attending through `layers[i]`, anything with the attention contract) and the head as one
+    compiled call; it returns the logits of every position [B, T, V]. The first call of a shape compiles,
+    saying so before and printing the seconds it took after; `failed` holds why, where compiling failed and
+    the steps run eagerly.
+    """
+
+    def __init__(self, model: nn.Module, verbose: bool = True):
+        self.model, self.verbose = model, verbose
+        self.device = next(model.parameters()).device
+        self.failed: str | None = None
+        self.compile_s: dict[tuple, float] = {}     # shape -> seconds its first (compiling) call took
+        # one graph per model shape, batch bucket and precision: a course run meets dozens, more than dynamo's
+        # default limit of 8 before it silently stops compiling
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"   # torch < 2.7
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+        self._step = torch.compile(_run_stack, dynamic=False, **compile_options(self.device))
+
+    @property
+    def backend(self) -> str:
+        """What compiles the step here, in words."""
+        return "inductor + CUDA graphs" if self.device.type == "cuda" else "inductor's C++ backend"
+
+    @torch.inference_mode()
+    def step(self, ids: Tensor, input_pos: Tensor, layers) -> Tensor:
+        """Logits [B, T, V] of ids [B, T] at positions input_pos [T], each layer attending through `layers[i]`."""
+        from .model import freeze_fusions
+        if self.failed is not None:
+            return _run_stack(self.model, ids, input_pos, layers)
+        key = (tuple(ids.shape), type(layers[0]).__name__, layers[0].k.shape)
+        first = key not in self.compile_s
+        if first:
+            freeze_fusions(self.model)
+            # inductor's C++ backend warns, on a machine without CUDA, that it found no CUDA runtime
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+            if self.verbose:
+                print(f"compiling the decode step for {ids.shape[0]} x {ids.shape[1]} tokens ({self.backend}; "
+                      "once per shape, seconds to a minute)...", flush=True)
+            start = time.perf_counter()
+        try:
+            out = self._step(self.model, ids, input_pos, layers)
+        except Exception as e:                      # a compiler missing or failing here: decode eagerly
+            self.failed = compile_failure(e)
+            print(f"torch.compile failed here ({self.failed}); decoding eagerly", flush=True)
+            return _run_stack(self.model, ids, input_pos, layers)
+        if first:
+            self.compile_s[key] = time.perf_counter() - start
+            if self.verbose:
+                print(f"compiled in {self.compile_s[key]:.1f} s", flush=True)
+        return out
+
+
+_COMPILED: "weakref.WeakKeyDictionary[nn.Module, CompiledModel]" = weakref.WeakKeyDictionary()
+
+
+def compile_model(model: nn.Module, verbose: bool = True) -> CompiledModel:
+    """The model's CompiledModel, made once per model and kept while the model lives.
+
+    On a CPU, a float model's linear weights are re-laid row-major first (in place, fused again): the
+    reduction the compiled step runs streams them in order, where eager code's MKL product prefers them
+    column-major (`model.set_weight_layout(model, "column")` restores that for eager decoding).
+    """
+    from .model import Transformer, fuse_projections, set_weight_layout, weight_layout
+    if not isinstance(model, Transformer):
+        raise TypeError(f"compile=True needs the package's Transformer (lab.load_model), got {type(model).__name__}")
+    compiled = _COMPILED.get(model)
+    if compiled is None:
+        p = next(model.parameters())
+        if p.device.type == "cpu" and any(type(m) is nn.Linear for m in model.modules()) \
+                and weight_layout(model) == "column":
+            with torch.inference_mode(False), torch.no_grad():   # normal tensors, even when called while decoding
+                set_weight_layout(model, "row")
+                fuse_projections(model)
+            if verbose:
+                print("compile: float weights re-laid row-major, as the compiled step's reduction reads them "
+                      "(eager steps on this model now run MKL over row-major weights)", flush=True)
+        compiled = _COMPILED[model] = CompiledModel(model, verbose)
+    compiled.verbose = verbose
+    return compiled

@@ -1,0 +1,164 @@
+"""The compiled decode step (compiled.py): the same tokens as eager decoding by the rule of exactness, in generate
+and in the engine, on the bundled target with small shapes; eager, saying why, where compiling fails."""
+import pytest
+import torch
+
+import infopt_lab as lab
+from infopt_lab import compiled as compiled_mod
+from infopt_lab.bench.exactness import heldout_prompts
+from infopt_lab.compiled import StaticKVCache, static_capacity
+from infopt_lab.engine.model_runner import batch_buckets as batch_buckets_for
+from infopt_lab.exactness import compare
+from infopt_lab.quantize import QuantEmbedding, weight_bytes
+from test_engine import PROMPTS
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    return lab.load_model("target", dtype=torch.float32)
+
+
+def greedy(model, tok, prompts, compile, new=NEW, **kw):
+    return [lab.generate(model, tok, p, max_new_tokens=new, compile=compile, **kw).token_ids for p in prompts]
+
+
+def test_compiled_generate_follows_the_rule_on_heldout_prompts_and_stops_where_eager_stops(target):
+    """fp32: identical to eager decoding except at rounding ties, on prompts nobody tuned, and a stop token
+    (a newline: the bundled model rarely writes EOS) ends each request at the same place."""
+    model, tok = target
+    prompts = heldout_prompts(tok, 6, seed=5) + PROMPTS[:2]
+    newline = tok.encode("\n", add_special_tokens=False)
+    for kw in (dict(stop_at_eos=False), dict(stop_token_ids=newline)):
+        eager = greedy(model, tok, prompts, compile=False, new=48, **kw)
+        compiled = greedy(model, tok, prompts, compile=True, new=48, **kw)
+        agreement = compare(model, [tok.encode(p) for p in prompts], eager, compiled)
+        assert agreement.holds, agreement.summary(tok)
+    assert sum(len(ids) < 48 for ids in eager) >= 2                               # stopped early
+    assert lab.compiled.compile_model(model).compile_s                             # it really compiled
+
+
+def test_the_compiled_engine_decodes_what_the_eager_engine_does(target):
+    model, tok = target
+    prompts = PROMPTS[:5]
+    runs = {}
+    for compile in (False, True):
+        engine = lab.Engine(model, tok, max_batch_size=4, max_model_len=96, compile=compile)
+        outs = engine.generate(prompts, max_new_tokens=[20, 6, 14, 20, 9], stop_at_eos=False)
+        runs[compile] = ([o.token_ids for o in outs], outs.stats.decode_attention["target"])
+    assert runs[True][1].get("compiled", 0) > 0 and "compiled" not in runs[False][1]
+    agreement = compare(model, [tok.encode(p) for p in prompts], runs[False][0], runs[True][0])
+    assert agreement.holds, agreement.summary(tok)
+
+
+def test_quantized_compiled_steps_stay_within_the_kernels_rounding(target):
+    """int8 and int4: agreement is measured, not promised (the rule); one step's logits sit within bf16 rounding."""
+    model, tok = target
+    ids = torch.tensor([tok.encode(PROMPTS[0])])
+    for scheme, g in (("int8", None), ("int4", 32)):
+        q = lab.quantize_model(model, scheme, group_size=g)
+        step = lab.compiled.compile_model(q, verbose=False)
+        cache = StaticKVCache.for_model(q, 1, 128)
+        eager_cache = StaticKVCache.for_model(q, 1, 128)
+        T = ids.shape[1]
+        with torch.inference_mode():
+            q(ids, torch.arange(T), cache), q(ids, torch.arange(T), eager_cache)
+            nxt = torch.tensor([[5]])
+            got = step.step(nxt, torch.tensor([T]), cache.layers)[0, -1]
+            want = q(nxt, torch.tensor([T]), eager_cache)[0, -1]
+        assert (got - want).abs().max() < 0.05 * want.abs().max(), scheme
+        assert got.argmax() == want.argmax()
+
+
+def test_a_failing_compiler_decodes_eagerly_and_says_why(target, monkeypatch, capsys):
+    model, tok = target
+    eager = greedy(model, tok, PROMPTS[:1], compile=False)
+    q = lab.quantize_model(model, "int8")          # a model of its own: a fresh CompiledModel
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no C++ compiler found")
+    monkeypatch.setattr(compiled_mod, "compile_options", lambda device: dict(backend=broken))
+    got = greedy(q, tok, PROMPTS[:1], compile=True)
+    out = capsys.readouterr().out
+    assert out.count("torch.compile failed here (") == 1 and "no C++ compiler found" in out
+    assert out.count("decoding eagerly") == 1 and lab.compiled.compile_model(q).failed
+    assert got == greedy(q, tok, PROMPTS[:1], compile=False)
+    assert len(eager[0]) == len(got[0])
+
+
+def test_bad_combinations_are_refused(target):
+    model, tok = target
+    with pytest.raises(ValueError, match="batch_invariant=True"):
+        lab.generate(model, tok, "x", max_new_tokens=2, compile=True, batch_invariant=True)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        lab.generate(model, tok, "x", max_new_tokens=2, compile=True, use_cache=False)
+    with pytest.raises((TypeError, ValueError), match="compile"):
+        lab.generate(model, tok, "x", max_new_tokens=2, compile="yes")
+    with pytest.raises(ValueError, match="batch_invariant=True"):
+        lab.Engine(model, tok, compile=True, batch_invariant=True)
+    with pytest.raises(TypeError, match="Transformer"):
+        lab.compiled.compile_model(torch.nn.Linear(2, 2))
+
+
+def test_the_static_cache_shapes():
+    assert batch_buckets_for(8) == [1, 2, 4, 8] and batch_buckets_for(6) == [1, 2, 4, 6]
+    assert batch_buckets_for(1) == [1]
+
+
+def test_static_capacity_rounds_up_within_the_context(target):
+    model, _ = target
+    assert static_capacity(model, 1) == 128 and static_capacity(model, 129) == 256
+    assert static_capacity(model, model.config.max_seq_len) == model.config.max_seq_len
+    cache = StaticKVCache.for_model(model, 1, 4)
+    with pytest.raises(ValueError, match="past the cache's 4 slots"):
+        model(torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5), cache)
+
+
+def test_a_quantized_tied_embedding_reads_the_heads_integers(target):
+    model, tok = target
+    ids = torch.tensor([tok.encode(PROMPTS[1])])
+    before = weight_bytes(model)
+    for scheme, g, tol in (("int8", None, 0.02), ("int4", 32, 0.2)):
+        q = lab.quantize_model(model, scheme, group_size=g)
+        assert isinstance(q.embed_tokens, QuantEmbedding) and q.embed_tokens.head is q.lm_head
+        assert not any(p.numel() == model.embed_tokens.weight.numel() for p in q.parameters())   # no float table
+        rows = q.embed_tokens(ids)[0]                                                         # (T, C)
+        assert torch.equal(rows, q.lm_head.dequantized_weight()[ids[0]])
+        want = model.embed_tokens(ids)[0]
+        assert (rows - want).abs().max() <= tol * want.abs().max()
+        after = weight_bytes(q)
+        assert after.stored < before.stored / (3 if scheme == "int8" else 5)
+        assert after.streamed < before.streamed
+
+
+def test_smollm2_compiled_follows_the_rule():
+    """The real model, fp32: compiled decoding equals eager decoding on held-out prompts except at rounding ties."""
+    model, tok = lab.load_model("smollm2-135m", dtype=torch.float32)
+    prompts = heldout_prompts(tok, 4, seed=28)
+    eager = greedy(model, tok, prompts, compile=False, new=32)
+    compiled = greedy(model, tok, prompts, compile=True, new=32)
+    assert any(len(ids) < 32 for ids in eager)                                     # a chat answer ends at EOS
+    agreement = compare(model, [tok.encode(p) for p in prompts], eager, compiled)
+    assert agreement.holds, agreement.summary(tok)
+
+
+def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cpp(monkeypatch):
+    from infopt_lab.bench import overhead
+    monkeypatch.setattr(overhead, "llama_cpp_missing", lambda: "llama-cpp-python is not installed: pip install x")
+    r = overhead.bench_overhead("target", against="llama.cpp", new_tokens=4, repeats=1, engine_batch=2,
+                                precisions=("fp32", "int8"))
+    text = r.render()
+    for name in ("fp32", "int8"):
+        assert r.values[name]["tokens_per_s"] > 0 and r.values[f"{name} compiled"]["streamed_bytes"] > 0
+        assert r.values[name]["compiled_speedup"] > 0
+    assert r.values["int8"]["streamed_bytes"] < r.values["fp32"]["streamed_bytes"] / 3
+    assert "llama-cpp-python is not installed: pip install x" in text and "llama.cpp" not in r.values
+    assert r.values["engine_int8_compiled"]["scaling"] > 0 and set(r.values["int8_rows_cost"]) == {1, 2}
+    monkeypatch.setattr(overhead, "llama_cpp_missing", lambda: None)
+    with pytest.raises(ValueError, match="GGUF"):
+        overhead.bench_overhead("target", against="llama.cpp", new_tokens=2, repeats=1, engine_batch=0)
+    with pytest.raises(ValueError, match="against"):
+        overhead.bench_overhead("target", against="vllm")
+    with pytest.raises(ValueError, match="precision"):
+        overhead.bench_overhead("target", precisions=("fp8",))
