@@ -247,9 +247,9 @@ def step_profile(model, compile: bool, steps: int = 4, context: int = 32, rows: 
     """Where one batch-1 decode step's time goes: the profiler's table of its `rows` costliest operations, over
     `steps` steps after `context` cached positions, eager or through the compiled graph (compiled once first)."""
     from torch.profiler import ProfilerActivity, profile
-    from ..compiled import StaticKVCache, compile_model
+    from ..compiled import StaticKVCache, compile_model, static_capacity
     device = next(model.parameters()).device
-    cache = StaticKVCache.for_model(model, 1, context + steps + 1)
+    cache = StaticKVCache.for_model(model, 1, static_capacity(model, context + steps + 1))   # generate's shape
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
     compiled = compile_model(model) if compile else None
 
