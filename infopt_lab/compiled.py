@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, cache_slots
 
 aten = torch.ops.aten
 REDUCTION_MAX_ROWS = 1   # products of up to this many rows run as inductor's reduction on a CPU (one token, batch 1)
@@ -99,8 +99,7 @@ class StaticKVCache(KVCache):
                 torch._dynamo.mark_static_address(t)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
-        if input_pos.numel() and int(input_pos[-1]) >= self.max_seq_len:
-            raise ValueError(f"position {int(input_pos[-1])} is past the cache's {self.max_seq_len} slots")
+        cache_slots(input_pos, k.shape[2], self.max_seq_len)          # eager calls only: checks the positions
         return self.layers[layer].attend(layer, q, k, v, input_pos)
 
 
