@@ -1,6 +1,7 @@
 """infopt-lab: LLM inference optimization, measured. `import infopt_lab as lab`."""
 from . import kernels  # first: without CUDA it sets TRITON_INTERPRET=1 before anything imports triton
-from . import batching, compiled, costs, data, exactness, kv_cache, metrics, quantize, sampling, speculative, timing
+from . import (batching, compiled, costs, data, exactness, feature_draft, feature_train, kv_cache, metrics, quantize,
+               sampling, speculative, timing)
 from .batching import static_batch_utilization
 from .config import PRESETS, ModelConfig, get_preset
 from .costs import (ForwardCost, Roofline, arithmetic_intensity, decode_cost, forward_cost, generation_cost,
@@ -9,6 +10,7 @@ from .engine import Engine, EngineStats, Outputs, RequestOutput, agentic_workloa
 from .device import HAS_CUDA, HAS_TRITON, default_dtype, get_device, synchronize
 from .distill import TeacherCache, distill, distillation_loss   # `lab.distill` is the function; the module is infopt_lab.distill
 from .exactness import exact_tokens
+from .feature_draft import FeatureDraft, load_feature_draft
 from .generate import GenerationOutput, decode_one_token, generate, prefill, stream
 from .kernels.attention_ref import attention_reference, attention_tiled
 from .kv_cache import KVCache
@@ -29,7 +31,7 @@ __version__ = "0.1.0"
 # The public API: every name a notebook, a grader or a test may call as `lab.<name>`.
 __all__ = [
     # modules
-    "batching", "compiled", "costs", "data", "exactness", "kernels", "kv_cache", "metrics", "quantize", "sampling", "speculative", "timing",
+    "batching", "compiled", "costs", "data", "exactness", "feature_draft", "feature_train", "kernels", "kv_cache", "metrics", "quantize", "sampling", "speculative", "timing",
     # models, configs, devices
     "load_model", "Transformer", "ModelConfig", "PRESETS", "get_preset",
     "HAS_CUDA", "HAS_TRITON", "default_dtype", "get_device", "synchronize",
@@ -40,7 +42,8 @@ __all__ = [
     "Engine", "EngineStats", "Outputs", "RequestOutput", "static_batch_utilization", "agentic_workload",
     "run_sessions",
     # speculative decoding and distillation
-    "speculative_generate", "prompt_lookup_generate", "expected_tokens_per_pass",
+    "speculative_generate", "prompt_lookup_generate", "expected_tokens_per_pass", "FeatureDraft",
+    "load_feature_draft",
     "distill", "distillation_loss", "TeacherCache",
     # costs and measurements
     "ForwardCost", "Roofline", "arithmetic_intensity", "decode_cost", "forward_cost", "generation_cost",

@@ -46,11 +46,12 @@ def _cmd_bench(args) -> int:
             return 2
         ladder_command("smollm2-135m" if args.model is None else args.model, args.json, args.price_per_hour)
         return 0
-    from .bench import run
+    from .bench import REAL_ONLY_RUNGS, run
     if args.json is not None:
         print("infopt-lab bench: error: --json writes the ladder's rungs; use it with --ladder", file=sys.stderr)
         return 2
-    model = args.model if args.model is not None else "smollm2-135m" if args.against else "target"
+    real_only = bool(args.only) and all(n in REAL_ONLY_RUNGS for n in args.only)
+    model = args.model if args.model is not None else "smollm2-135m" if args.against or real_only else "target"
     try:
         run(only=args.only, against=args.against, model_name=model)
     except ValueError as e:

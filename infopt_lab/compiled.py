@@ -121,13 +121,14 @@ def _run_block(block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos:
     return block(x, cos, sin, input_pos, cache)
 
 
-def _run_stack(model: nn.Module, ids: Tensor, input_pos: Tensor, layers) -> Tensor:
-    """ids [B, T] at positions [T] -> logits [B, T, V], layer i attending through layers[i]."""
+def _run_stack(model: nn.Module, ids: Tensor, input_pos: Tensor, layers, hidden: bool = False):
+    """ids [B, T] at positions [T] -> logits [B, T, V], layer i attending through layers[i]; with `hidden`,
+    (logits, the last hidden states [B, T, C]) (what a feature draft reads)."""
     x = model.embed_tokens(ids)                                                     # (B, T, C)
     cos, sin = model.rope(input_pos)
     for block, cache in zip(model.layers, layers):
         x = _run_block(block, x, cos, sin, input_pos, cache)
-    return model.logits(x)
+    return (model.logits(x), x) if hidden else model.logits(x)
 
 
 def compile_failure(error: BaseException) -> str:
@@ -166,12 +167,13 @@ class CompiledModel:
         return "inductor + CUDA graphs" if self.device.type == "cuda" else "inductor's C++ backend"
 
     @torch.inference_mode()
-    def step(self, ids: Tensor, input_pos: Tensor, layers) -> Tensor:
-        """Logits [B, T, V] of ids [B, T] at positions input_pos [T], each layer attending through `layers[i]`."""
+    def step(self, ids: Tensor, input_pos: Tensor, layers, hidden: bool = False):
+        """Logits [B, T, V] of ids [B, T] at positions input_pos [T], each layer attending through `layers[i]`;
+        with `hidden=True`, (logits, last hidden states [B, T, C]), compiled as a graph of its own."""
         from .model import freeze_fusions
         if self.failed is not None:
-            return _run_stack(self.model, ids, input_pos, layers)
-        key = (tuple(ids.shape), type(layers[0]).__name__, layers[0].k.shape)
+            return _run_stack(self.model, ids, input_pos, layers, hidden)
+        key = (tuple(ids.shape), type(layers[0]).__name__, layers[0].k.shape, hidden)
         first = key not in self.compile_s
         if first:
             freeze_fusions(self.model)
@@ -182,11 +184,11 @@ class CompiledModel:
                       "once per shape, seconds to a minute)...", flush=True)
             start = time.perf_counter()
         try:
-            out = self._step(self.model, ids, input_pos, layers)
+            out = self._step(self.model, ids, input_pos, layers, hidden)
         except Exception as e:                      # a compiler missing or failing here: decode eagerly
             self.failed = compile_failure(e)
             print(f"torch.compile failed here ({self.failed}); decoding eagerly", flush=True)
-            return _run_stack(self.model, ids, input_pos, layers)
+            return _run_stack(self.model, ids, input_pos, layers, hidden)
         if first:
             self.compile_s[key] = time.perf_counter() - start
             if self.verbose:

@@ -57,6 +57,7 @@ class Decoder:
         else:
             self.cache = cache_factory(model, batch_size, capacity)
         self.model = model
+        self.compiled_widths = {1}               # feeds of these many tokens run compiled (speculation adds k + 1)
         self.batch_invariant = batch_invariant   # every row of a feed computed as if it were fed alone
         self.device = next(model.parameters()).device
         self.pos = 0                  # positions written so far
@@ -69,10 +70,26 @@ class Decoder:
         input_pos = torch.arange(self.pos, self.pos + T, device=self.device)
         self.pos += T
         self.forwards += 1
-        if self.compiled is not None and T == 1:
+        if self.compiled is not None and T in self.compiled_widths:
             return self.compiled.step(tokens, input_pos, self.cache.layers)
         with invariant(self.batch_invariant):
             return self.model(tokens, input_pos, self.cache)
+
+    @torch.inference_mode()
+    def feed_hidden(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Append tokens [B, T] like `feed`; their logits [B, T, V] and the last hidden states [B, T, C] behind them.
+
+        A feature draft (feature_draft.py) reads the hidden states; the logits are computed from them as `feed` does.
+        """
+        T = tokens.shape[1]
+        input_pos = torch.arange(self.pos, self.pos + T, device=self.device)
+        self.pos += T
+        self.forwards += 1
+        if self.compiled is not None and T in self.compiled_widths:
+            return self.compiled.step(tokens, input_pos, self.cache.layers, hidden=True)
+        with invariant(self.batch_invariant):
+            h = self.model.hidden_states(tokens, input_pos, self.cache)
+            return self.model.logits(h), h
 
     def rollback(self, n: int) -> None:
         """Forget the last n positions: later writes overwrite them and attention never reads them."""

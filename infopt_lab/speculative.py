@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import validate
 from .device import synchronize
-from .generate import Decoder, finish_tokens
+from .generate import Decoder, check_compile, finish_tokens
 from .sampling import SamplingParams, check_request, draw, logits_to_probs, make_generator, sample, sampling_params
 
 
@@ -189,20 +189,30 @@ def _propose(drf: Decoder, pending: list[int], k: int, params: SamplingParams,
 
 
 def speculative_generate(target, draft, input_ids: Tensor, params: SamplingParams | None = None, k: int = 4,
-                         *, eos_id: int | None = None, batch_invariant: bool = False,
+                         *, eos_id: int | None = None, batch_invariant: bool = False, compile: bool = False,
                          **overrides) -> SpeculativeOutput:
     """Decode with the draft proposing k tokens per round and the target verifying them in one pass.
 
-    Keyword overrides are SamplingParams fields (`max_new_tokens=64, temperature=0.8, ...`).
+    `draft`: a model sharing the target's tokenizer, or a feature draft (feature_draft.py) that reads
+    the target's hidden states. Keyword overrides are SamplingParams fields (`max_new_tokens=64, ...`).
     `batch_invariant=True`: the k + 1 rows of a verify pass round as k + 1 one-row passes would
     (invariant.py), so greedy output equals `generate(..., batch_invariant=True)` bit for bit in every dtype.
+    `compile=True`: the target's verify passes (k + 1 tokens) and a draft model's one-token steps run
+    through compiled graphs (compiled.py; one compile per shape), tokens by the rule of exactness.py.
     """
     params = sampling_params(params, **overrides)
+    compile = validate.boolean("compile", compile)
+    batch_invariant = validate.boolean("batch_invariant", batch_invariant)
+    if compile:
+        check_compile(batch_invariant)
+    from .feature_draft import FeatureDraft
+    if isinstance(draft, FeatureDraft):
+        return _speculate_with_features(target, draft, input_ids, params, k, eos_id, batch_invariant, compile)
     k = _check_pair(target, draft, input_ids, params, k)
     prompt = input_ids[0].tolist()
     capacity = len(prompt) + params.max_new_tokens + k + 1
-    batch_invariant = validate.boolean("batch_invariant", batch_invariant)
-    tgt, drf = (Decoder(m, 1, capacity, batch_invariant=batch_invariant) for m in (target, draft))
+    tgt, drf = (Decoder(m, 1, capacity, batch_invariant=batch_invariant, compile=compile) for m in (target, draft))
+    tgt.compiled_widths = {k + 1}
     generator = make_generator(params.seed, input_ids.device)
     coins = make_generator(None if params.seed is None else params.seed + 1, input_ids.device)
     stops = _stop_ids(target, params, eos_id)
@@ -237,6 +247,55 @@ def speculative_generate(target, draft, input_ids: Tensor, params: SamplingParam
         out += kept
     synchronize(input_ids.device)
     return SpeculativeOutput(out, k, rounds, tgt.forwards, drf.forwards, time.perf_counter() - start,
+                             draft_s, verify_s)
+
+
+def _speculate_with_features(target, draft, input_ids: Tensor, params: SamplingParams, k: int,
+                             eos_id: int | None, batch_invariant: bool, compile: bool) -> SpeculativeOutput:
+    """speculative_generate with a feature draft: it proposes from the target's hidden states (feature_draft.py).
+
+    Each verify pass also gives the target's features at the tokens it keeps; the draft forgets its own
+    guessed positions and reads those instead, so every proposal starts from the target's true state.
+    """
+    from .feature_draft import FeatureState
+    k = _check_pair(target, None, input_ids, params, k)
+    validate.draft(target, draft)
+    draft.bind(target)
+    prompt = input_ids[0].tolist()
+    capacity = len(prompt) + params.max_new_tokens + k + 1
+    tgt = Decoder(target, 1, capacity, batch_invariant=batch_invariant, compile=compile)
+    tgt.compiled_widths = {k + 1}
+    state = FeatureState(draft, capacity)
+    generator = make_generator(params.seed, input_ids.device)
+    coins = make_generator(None if params.seed is None else params.seed + 1, input_ids.device)
+    probs = lambda logits: logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # noqa: E731
+    stops = _stop_ids(target, params, eos_id)
+    synchronize(input_ids.device)
+    start = time.perf_counter()
+    logits, h = tgt.feed_hidden(input_ids)                                  # the prefill: features of the prompt
+    out, done = finish_tokens([int(sample(logits[0, -1], params, generator))], 0, params.max_new_tokens, stops)
+    state.catch_up(h[0], prompt[1:] + out)           # feature after token i, paired with token i + 1
+    rounds: list[Round] = []
+    draft_s = verify_s = 0.0
+    while not done:
+        t0 = time.perf_counter()
+        proposed, q = state.propose(k, params.greedy, probs, generator)
+        t1 = time.perf_counter()
+        p_logits, h = tgt.feed_hidden(torch.tensor([[out[-1]] + proposed], device=input_ids.device))
+        p_logits, h = p_logits[0], h[0]                                     # (k + 1, V), (k + 1, C)
+        if params.greedy:
+            emitted, accepted = verify_greedy(proposed, sample(p_logits, params).tolist())
+        else:
+            emitted, accepted = verify(torch.tensor(proposed), torch.stack(q), probs(p_logits), generator, coins)
+        draft_s, verify_s = draft_s + t1 - t0, verify_s + time.perf_counter() - t1
+        tgt.rollback(k - accepted)
+        state.settle()                                # the draft's guesses give way to the target's features
+        state.catch_up(h[:accepted + 1], emitted)
+        rounds.append(Round(proposed, accepted, emitted))
+        kept, done = finish_tokens(emitted, len(out), params.max_new_tokens, stops)
+        out += kept
+    synchronize(input_ids.device)
+    return SpeculativeOutput(out, k, rounds, tgt.forwards, state.forwards, time.perf_counter() - start,
                              draft_s, verify_s)
 
 

@@ -43,11 +43,12 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     return times
 
 
-def code_prompts(tok, n: int, min_tokens: int = 48, max_tokens: int = 96, seed: int = 0) -> list[str]:
-    """n prompts cut from validation files of the corpus at line ends, each min..max tokens long."""
+def code_prompts(tok, n: int, min_tokens: int = 48, max_tokens: int = 96, seed: int = 0,
+                 split: str = "val") -> list[str]:
+    """n prompts cut from files of one split of the corpus (validation by default) at line ends, min..max tokens."""
     from .data import read_texts
     rng = random.Random(seed)
-    texts = [t for t in read_texts("val") if len(t) > 4000]
+    texts = [t for t in read_texts(split) if len(t) > 4000]
     prompts = []
     while len(prompts) < n:
         text = rng.choice(texts)

@@ -22,6 +22,7 @@ from .invariant import bench_invariant
 from .overhead import AGAINST, bench_overhead
 from .quant import bench_quant
 from .result import Result, Run, describe_model
+from .feature_draft import bench_feature_draft
 from .speculative import bench_speculative
 
 LADDER: dict[str, Callable[..., Result]] = {
@@ -37,10 +38,13 @@ LADDER: dict[str, Callable[..., Result]] = {
     "invariant": bench_invariant,
     "exactness": bench_exactness,
     "overhead": bench_overhead,
+    "feature_draft": bench_feature_draft,
 }
 
 # the rungs `infopt-lab bench --model smollm2-135m` runs by default: the real model's speed lessons
 REAL_MODEL_RUNGS = ("decode", "precision", "batch_size", "overhead")
+# rungs with no bundled-model version (the feature draft is trained for the real model only): asked for by name
+REAL_ONLY_RUNGS = ("feature_draft",)
 
 
 def run(only: list[str] | None = None, against: str | None = None, **kwargs) -> list[Result]:
@@ -57,7 +61,8 @@ def run(only: list[str] | None = None, against: str | None = None, **kwargs) -> 
         raise ValueError(f"--against {against} runs the GGUF file the real model came from: use --model "
                          f"{sorted(REMOTE)[0]}")
     real = kwargs.get("model_name") in REMOTE
-    names = only or (["decode"] if against else list(REAL_MODEL_RUNGS) if real else list(LADDER))
+    names = only or (["decode"] if against else list(REAL_MODEL_RUNGS) if real
+                     else [n for n in LADDER if n not in REAL_ONLY_RUNGS])
     unknown = [n for n in names if n not in LADDER]
     if unknown:
         raise ValueError(f"unknown benchmark {unknown}; choose from {list(LADDER)}")
@@ -74,7 +79,7 @@ def run(only: list[str] | None = None, against: str | None = None, **kwargs) -> 
 __all__ = [
     "LADDER", "REAL_MODEL_RUNGS", "run", "Result", "Run", "describe_model",
     "bench_decode", "bench_kv", "bench_quant", "bench_batching", "bench_batch_size", "bench_precision",
-    "bench_attention", "bench_speculative", "bench_engine", "bench_invariant", "bench_exactness", "bench_overhead",
+    "bench_attention", "bench_speculative", "bench_engine", "bench_invariant", "bench_exactness", "bench_overhead", "bench_feature_draft",
     # what notebooks and tests call as bench.<name>
     "ATTENTION_LENGTHS", "DEFAULT_PROMPT", "KV_PROMPT_TEXT", "PASS_SIZES", "KVComparison", "compare_policies",
     "bf16_decode_tokens_per_s", "decode_throughput", "decode_tokens_per_s", "kv_comparison", "kv_prompt_ids",

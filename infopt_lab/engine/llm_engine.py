@@ -10,6 +10,7 @@ from torch import Tensor
 
 from .. import validate
 from ..device import synchronize
+from ..feature_draft import FeatureDraft
 from ..kv_cache import PagedKVCache
 from ..kv_quant import QuantizedPagedKVCache
 from ..metrics import request_metrics
@@ -18,7 +19,7 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import POLICIES, Batch
 from .sequence import Sequence, Status
-from .spec_decode import Speculator, check_speculation
+from .spec_decode import FeatureSpeculator, Speculator, check_speculation
 from .stats import EngineStats, StepRecord
 
 
@@ -118,7 +119,8 @@ class LLMEngine:
             if validate.boolean("compile", compile) else None
         self.runner = ModelRunner(model, self.cache, self.blocks, paged_kernel=paged_kernel, cascade=cascade,
                                   batch_invariant=batch_invariant, compile_shape=compile_shape)
-        self.speculator = Speculator(self.runner, draft, k, self.blocks, pool) if k else None
+        speculator = FeatureSpeculator if isinstance(draft, FeatureDraft) else Speculator
+        self.speculator = speculator(self.runner, draft, k, self.blocks, pool) if k else None
         self.device = self.runner.device
         self.sequences: dict[int, Sequence] = {}    # every request added since the clock was reset
         self.refused: list[Sequence] = []          # refused since the last step, reported by the next

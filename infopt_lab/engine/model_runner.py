@@ -220,12 +220,17 @@ class ModelRunner:
         return {c.seq: SeqOutput([tokens[c.seq]] if c.seq in tokens else [], c.num_tokens) for c in batch.chunks}
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], padding: int = 0) -> Tensor:
+    def forward(self, chunks: list[Chunk], padding: int = 0, features: Tensor | None = None,
+                with_hidden: bool = False):
         """Logits [R, V] of every chunk's last `logits` tokens, in order, in one packed pass.
 
         `padding` single-token rows are computed and thrown away (a static batch's finished members).
+        A feature draft (feature_draft.py) is also handed `features` [N, C], one per packed token, and its
+        "logits" are over its covered tokens. `with_hidden=True` returns (logits, hidden states [N, C] of
+        every packed token): the target's features that a feature draft reads.
         """
-        if self.compiled is not None and self.compiled.failed is None and not self.cascade \
+        if features is None and not with_hidden \
+                and self.compiled is not None and self.compiled.failed is None and not self.cascade \
                 and all(c.num_tokens == 1 and c.logits == 1 for c in chunks) \
                 and len(chunks) + padding <= self.buckets[-1]:
             return self._compiled_decode(chunks)
@@ -248,11 +253,14 @@ class ModelRunner:
         meta = self._metadata(short, long, slots, cascade=self.cascade and not padding)
         ctx = PagedAttention(self.cache, meta, use_kernel=self.paged_kernel)
         with invariant(self.batch_invariant):
-            h = self.model.hidden_states(self._tensor([ids]), self._tensor(pos), ctx)     # (1, N, C)
+            if features is None:
+                h = self.model.hidden_states(self._tensor([ids]), self._tensor(pos), ctx)     # (1, N, C)
+            else:
+                h = self.model.hidden(features[None], self._tensor([ids]), self._tensor(pos), ctx)
             logits = self.model.logits(h[0, self._tensor(out_rows)])                       # (R, V)
         if ctx.decode_path is not None:
             self.decode_steps[ctx.decode_path] = self.decode_steps.get(ctx.decode_path, 0) + 1
-        return logits
+        return (logits, h[0, :len(h[0]) - padding]) if with_hidden else logits
 
     def _compiled_decode(self, chunks: list[Chunk]) -> Tensor:
         """Logits [R, V] of a step of single decode tokens, run through the compiled graph at its batch bucket."""

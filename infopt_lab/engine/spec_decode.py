@@ -20,7 +20,11 @@ beside them, so the engine's outputs equal its outputs without speculation.
 """
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 from .. import validate
+from ..feature_draft import FeatureDraft
 from ..kv_cache import PagedKVCache
 from ..speculative import lookup_draft, verify_greedy
 from .block_manager import BlockManager
@@ -90,6 +94,88 @@ class Speculator:
         return drafts, end
 
 
+class FeatureSpeculator(Speculator):
+    """Speculation with a feature draft (feature_draft.py): the draft reads the target's hidden states.
+
+    Draft position j reads (h_{j-1}, x_j). The target's verify pass of one step gives the features of the
+    tokens it keeps; the speculator holds them per sequence until the next step, when the draft catches
+    up on them (through the last token kept, whose feature came one step earlier) and proposes k tokens,
+    each step after the first reading its own guess. Prefill chunks leave their features for the first
+    decode step likewise. Positions the target never computed here (a prefix-cache hit) reach the draft
+    with a zero feature: a weaker proposal there, never another token (the target verifies every one).
+    """
+
+    def __init__(self, target_runner: ModelRunner, draft: FeatureDraft, k: int, blocks: BlockManager,
+                 pool=PagedKVCache, max_ngram: int = 3):
+        super().__init__(target_runner, draft, k, blocks, pool, max_ngram)
+        self.features: dict[Sequence, tuple[int, Tensor]] = {}   # seq -> (first position, its features [n, C])
+
+    def execute_model(self, batch: Batch, sample: Sampler) -> dict[Sequence, SeqOutput]:
+        for seq in [s for s in self.features if s.done]:
+            del self.features[seq]
+        proposals = self._propose_features([c for c in batch.chunks if c.lookahead > 0])
+        chunks = [c.extended(proposals[c.seq]) if proposals.get(c.seq) else c for c in batch.chunks]
+        logits, hidden = self.target.forward(chunks, padding=len(batch.padding), with_hidden=True)
+        outputs, row, packed, plain = {}, 0, 0, []
+        for c in chunks:
+            seq, d = c.seq, proposals.get(c.seq, [])
+            if d:
+                tokens, accepted = verify_greedy(d, logits[row:row + c.logits].argmax(-1).tolist())
+                kept = 1 + accepted
+                outputs[seq] = SeqOutput(tokens, kept, c.start + 1, len(d), accepted)
+            else:
+                kept = c.num_tokens
+                if c.logits:
+                    plain.append((seq, row))
+                outputs[seq] = SeqOutput([], kept, seq.draft_computed)
+            self._keep(seq, c.start, hidden[packed:packed + kept])
+            row, packed = row + c.logits, packed + c.num_tokens
+        if plain:
+            tokens = sample(logits[[r for _, r in plain]], [s for s, _ in plain])
+            for (seq, _), token in zip(plain, tokens):
+                outputs[seq].tokens.append(token)
+        return outputs
+
+    def _keep(self, seq: Sequence, start: int, h: Tensor) -> None:
+        """Hold the target's features of positions start.. for the draft's next catch-up (after what is held)."""
+        first, held = self.features.get(seq, (start, h[:0]))
+        if first + len(held) != start:                  # a gap (preemption, a prefix hit): start again here
+            first, held = start, h[:0]
+        self.features[seq] = (first, torch.cat([held, h]))
+
+    def _propose_features(self, spec: list[Chunk]) -> dict[Sequence, list[int]]:
+        """Each speculating sequence's k greedy proposals: catch up on held features, then read its own guesses."""
+        if not spec:
+            return {}
+        draft: FeatureDraft = self.draft.model
+        C = draft.config.dim
+        chunks, feats = [], []
+        for c in spec:
+            seq, last = c.seq, c.start                     # position of the token the target feeds now
+            begin = max(1, min(seq.draft_computed, last))  # draft position 0 reads no feature: never computed
+            first, held = self.features.get(seq, (0, torch.zeros(0, C)))
+            rows = []
+            for j in range(begin, last + 1):               # position j reads the feature of position j - 1
+                i = j - 1 - first
+                rows.append(held[i] if 0 <= i < len(held) else held.new_zeros(C))
+            chunks.append(Chunk(seq, begin, seq.all_ids[begin:last + 1], 1))
+            feats.append(torch.stack(rows))
+            self.features[seq] = (last, held[last - first:]) if last - first < len(held) else (last, held[:0])
+        drafts: dict[Sequence, list[int]] = {c.seq: [] for c in spec}
+        _, h = self.draft.forward(chunks, features=torch.cat(feats).to(draft.head.dtype), with_hidden=True)
+        guess = h[torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1]     # (B, C): each one's last guess
+        active = spec
+        for i in range(max(c.lookahead for c in spec)):
+            if i > 0:                                  # feed each sequence's last proposal with the guess behind it
+                keep = [j for j, c in enumerate(active) if c.lookahead > i]
+                active = [active[j] for j in keep]
+                steps = [Chunk(c.seq, c.start + i, drafts[c.seq][-1:], 1) for c in active]
+                _, guess = self.draft.forward(steps, features=guess[keep], with_hidden=True)
+            for c, token in zip(active, draft.token_ids[draft.covered_logits(guess).argmax(-1)].tolist()):
+                drafts[c.seq].append(token)
+        return drafts
+
+
 def check_speculation(target, draft, k, max_model_len: int) -> int:
     """The engine's draft and num_speculative_tokens, checked when it is built; k as an int."""
     k = validate.speculation_length("num_speculative_tokens", k, low=0)
@@ -104,4 +190,6 @@ def check_speculation(target, draft, k, max_model_len: int) -> int:
         validate.choice("a draft given by name (else a model)", draft, (NGRAM,))
     else:
         validate.draft(target, draft, max_model_len)
+        if isinstance(draft, FeatureDraft):
+            draft.bind(target)
     return k

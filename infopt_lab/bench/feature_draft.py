@@ -1,0 +1,186 @@
+"""`infopt-lab bench --only feature_draft`: the feature draft against the distilled one, and the cost model beside it.
+
+On 16 held-out prompts (code from validation files, chat questions about held-out functions) it measures,
+in one run: the pass costs (c = a draft step / a target step, v(n) = an n-token target pass / a 1-token
+pass), each draft's acceptance at every k, the speedup the formula E / (k c + v(k + 1)) predicts from
+them, the speedup measured, and the tokens against the target's own (by the rule of exactness.py);
+then the same inside the engine at growing batch sizes, to find where speculation stops paying.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..device import get_device, synchronize
+from ..exactness import compare
+from ..feature_draft import BUNDLED_NAME, FeatureDraft, load_feature_draft
+from ..generate import encode_prompt, generate
+from ..kv_cache import KVCache
+from ..loading import DRAFT_OF, load_model
+from ..speculative import SpeculativeOutput, expected_tokens_per_pass, speculative_generate
+from ..timing import time_interleaved
+from .exactness import heldout_prompts
+from .result import Result, describe_model
+
+FEATURE_DRAFT_OF = {"smollm2-135m": BUNDLED_NAME}     # each model's bundled feature draft
+
+
+@torch.inference_mode()
+def pass_costs(target, drafts: dict, new_tokens=(1, 2, 3, 4, 5), prefix: int = 160,
+               repeats: int = 30) -> tuple[dict[int, float], dict[str, float]]:
+    """Median seconds of a target pass over n tokens after a cached prefix (each n), and of one step of each draft."""
+    device = next(target.parameters()).device
+    cache = KVCache.for_model(target, 1, prefix + max(new_tokens) + 1)
+    target(torch.randint(0, 100, (1, prefix), device=device), torch.arange(prefix, device=device), cache)
+
+    def target_pass(m: int):
+        x, pos = torch.randint(0, 100, (1, m), device=device), torch.arange(prefix, prefix + m, device=device)
+        return lambda: target.logits(target.hidden_states(x, pos, cache))
+
+    fns = {n: target_pass(n) for n in new_tokens}
+    for name, draft in drafts.items():
+        if isinstance(draft, FeatureDraft):
+            dc = KVCache.for_model(draft, 1, prefix + 2)
+            h = torch.randn(1, prefix, target.config.dim, device=device, dtype=next(target.parameters()).dtype)
+            draft.hidden(h, torch.randint(0, 100, (1, prefix), device=device), torch.arange(prefix, device=device), dc)
+            h1, x1, p1 = h[:, :1], torch.randint(0, 100, (1, 1), device=device), torch.tensor([prefix], device=device)
+            fns[name] = lambda draft=draft, dc=dc, h1=h1, x1=x1, p1=p1: draft.covered_logits(
+                draft.hidden(h1, x1, p1, dc)).argmax()
+        else:
+            dc = KVCache.for_model(draft, 1, prefix + 2)
+            draft(torch.randint(0, 100, (1, prefix), device=device), torch.arange(prefix, device=device), dc)
+            x1, p1 = torch.randint(0, 100, (1, 1), device=device), torch.tensor([prefix], device=device)
+            fns[name] = lambda draft=draft, dc=dc, x1=x1, p1=p1: draft(x1, p1, dc).argmax()
+    med = time_interleaved(fns, repeats=repeats, warmup=2, device=device)
+    return {n: med[n] for n in new_tokens}, {name: med[name] for name in drafts}
+
+
+def predicted_speedup(alpha: float, k: int, c: float, v: dict[int, float]) -> float:
+    """E / (k c + v(k + 1)): tokens per round over a round's cost in target steps (v relative to a 1-token pass)."""
+    return expected_tokens_per_pass(alpha, k) / (k * c + v[k + 1])
+
+
+def _spec_run(target, draft, ids, k: int, new_tokens: int,
+              compile: bool = False) -> tuple[float, SpeculativeOutput, list[list[int]]]:
+    outs = [speculative_generate(target, draft, x, k=k, max_new_tokens=new_tokens, compile=compile) for x in ids]
+    agg = SpeculativeOutput([], k, [r for o in outs for r in o.rounds], 0, 0, sum(o.wall_s for o in outs))
+    return agg.wall_s, agg, [o.token_ids for o in outs]
+
+
+def _alone(target, tok, prompts, new_tokens: int, compile: bool = False) -> tuple[float, list[list[int]]]:
+    outs = [generate(target, tok, p, max_new_tokens=new_tokens, compile=compile) for p in prompts]
+    return sum(o.e2e_s for o in outs), [o.token_ids for o in outs]
+
+
+def engine_ratios(target, tok, draft, prompts, k: int, new_tokens: int, batch_sizes=(1, 2, 4, 8)) -> dict[int, dict]:
+    """Engine throughput with and without the feature draft at each max batch size: ratio and acceptance."""
+    from ..engine import Engine
+    out = {}
+    for b in batch_sizes:
+        runs = {}
+        for name, kw in (("plain", {}), ("feature", dict(draft=draft, num_speculative_tokens=k))):
+            engine = Engine(target, tok, max_batch_size=b, max_model_len=512, **kw)
+            engine.generate(prompts[:2], max_new_tokens=4)                 # warm-up
+            synchronize(engine.device)
+            start = time.perf_counter()
+            res = engine.generate(prompts, max_new_tokens=new_tokens)
+            synchronize(engine.device)
+            runs[name] = (sum(len(o.token_ids) for o in res) / (time.perf_counter() - start), engine.stats,
+                          [o.token_ids for o in res])
+        out[b] = {"plain_tok_s": runs["plain"][0], "feature_tok_s": runs["feature"][0],
+                  "ratio": runs["feature"][0] / runs["plain"][0],
+                  "draft_yield": runs["feature"][1].draft_yield, "same_tokens": runs["feature"][2] == runs["plain"][2]}
+    return out
+
+
+def _engine_rows(r: Result, target, tok, feature, prompts, k: int, new_tokens: int, batch_sizes) -> dict:
+    """Engine rows at each batch size and the crossover: the batch from which speculation loses."""
+    eng = engine_ratios(target, tok, feature, prompts, k, new_tokens, batch_sizes)
+    for b, e in eng.items():
+        r.add(f"engine batch {b}", f"{e['feature_tok_s']:.1f} vs {e['plain_tok_s']:.1f} tok/s "
+                                   f"({e['ratio']:.2f}x), accepted/proposed {e['draft_yield']:.2f}, "
+                                   f"same tokens: {e['same_tokens']}")
+    losing = [b for b, e in eng.items() if e["ratio"] < 1]
+    r.add("crossover", f"speculation stops paying at batch {min(losing)}" if losing else
+          f"speculation paid at every batch size measured (up to {max(batch_sizes)})")
+    return {"engine": eng, "crossover": min(losing) if losing else None}
+
+
+def _compiled_rows(r: Result, rows: dict, add_row, model_name, dtype, device, tok, prompts, ids, want,
+                   alone_s: float, k: int, new_tokens: int, values: dict) -> None:
+    """The target alone and the feature draft at k through compiled graphs, on a second copy of the target
+    (compiling re-lays its weights), each against eager and against each other."""
+    fast, _ = load_model(model_name, dtype=dtype, device=device)
+    fast_feature = load_feature_draft(fast, FEATURE_DRAFT_OF[model_name])
+    _alone(fast, tok, prompts[:1], 4, compile=True)                        # compile outside the clock
+    _spec_run(fast, fast_feature, ids[:1], k, 4, compile=True)
+    fast_s, _ = _alone(fast, tok, prompts, new_tokens, compile=True)
+    r.add("target alone, compiled", f"{sum(map(len, want)) / fast_s:.1f} tok/s ({alone_s / fast_s:.2f}x eager)")
+    secs, agg, got = _spec_run(fast, fast_feature, ids, k, new_tokens, compile=True)
+    add_row(f"feature k={k}, compiled", k, secs, agg, got, alone_s)
+    rows[f"feature k={k}, compiled"]["over_compiled_alone"] = fast_s / secs
+    r.add(f"feature k={k}, compiled / target alone compiled", f"{fast_s / secs:.2f}x")
+    values["alone_compiled_over_eager"] = alone_s / fast_s
+
+
+def bench_feature_draft(model_name: str = "smollm2-135m", n_prompts: int = 16, new_tokens: int = 48,
+                        ks: tuple[int, ...] = (2, 3, 4), dtype: torch.dtype = torch.float32, compile: bool = True,
+                        batch_sizes: tuple[int, ...] = (1, 4, 8), seed: int = 26) -> Result:
+    """Feature draft vs distilled draft vs the target alone: c, v(n), acceptance, predicted and measured speedups.
+
+    With `compile`, the target alone and the feature draft's best k run once more through compiled graphs
+    (a second copy of the target: compiling re-lays its weights), each against the other and against eager.
+    """
+    if model_name not in FEATURE_DRAFT_OF:
+        raise ValueError(f"no bundled feature draft for {model_name!r}; choose from {list(FEATURE_DRAFT_OF)}")
+    device = get_device()
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    r = Result(f"feature draft: EAGLE's one-layer draft on the target's features, vs the distilled draft ({name})")
+    target, tok = load_model(model_name, dtype=dtype, device=device)
+    feature = load_feature_draft(target, FEATURE_DRAFT_OF[model_name])
+    distilled, _ = load_model(DRAFT_OF[model_name], dtype=dtype, device=device)
+    prompts = heldout_prompts(tok, n_prompts, seed)
+    ids = [encode_prompt(target, tok, p) for p in prompts]
+    r.add("models", f"{describe_model(model_name, target, device)}; feature draft "
+                    f"{feature.num_parameters() / 1e6:.2f}M params over {feature.coverage_size} tokens; "
+                    f"distilled {describe_model(DRAFT_OF[model_name], distilled, device)}")
+    r.add("prompts", f"{len(prompts)} held-out (seed {seed}: code and chat), up to {new_tokens} new tokens, greedy")
+    v_secs, d_secs = pass_costs(target, {"feature": feature, "distilled": distilled},
+                                new_tokens=tuple(range(1, max(ks) + 2)))
+    v = {n: s / v_secs[1] for n, s in v_secs.items()}
+    c = {d: s / v_secs[1] for d, s in d_secs.items()}
+    r.add("pass costs", f"target 1 token {1e3 * v_secs[1]:.1f} ms; v(n) "
+          + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()) + "; c " + ", ".join(f"{d} {x:.3f}" for d, x in c.items()))
+    (alone_s, want), (again_s, _) = (_alone(target, tok, prompts, new_tokens) for _ in range(2))
+    alone_s = min(alone_s, again_s)
+    r.add("target alone", f"{sum(map(len, want)) / alone_s:.1f} tok/s")
+    lists = [x[0].tolist() for x in ids]
+    rows = {}
+
+    def add_row(label: str, k: int, secs: float, agg: SpeculativeOutput, got, base_s: float, c_draft=None):
+        agreement = compare(target, lists, want, got)
+        pred = predicted_speedup(agg.acceptance_rate, k, c_draft, v) if c_draft is not None else None
+        rows[label] = row = {"k": k, "yield": agg.draft_yield, "alpha": agg.acceptance_rate,
+                             "by_position": agg.acceptance_by_position, "predicted": pred, "measured": base_s / secs,
+                             "identical": agreement.rate, "holds": agreement.holds}
+        r.add(label, f"accepted/proposed {row['yield']:.2f} (alpha {row['alpha']:.2f}; by position "
+                     + ", ".join(f"{a:.2f}" for a in row["by_position"]) + "); speedup "
+                     + (f"predicted {pred:.2f}x, " if pred is not None else "") + f"measured {row['measured']:.2f}x; "
+                     f"tokens: {agreement.summary(tok).splitlines()[0]}")
+
+    for k in ks:
+        secs, agg, got = _spec_run(target, feature, ids, k, new_tokens)
+        add_row(f"feature k={k}", k, secs, agg, got, alone_s, c["feature"])
+    k_best = max(ks, key=lambda k: rows[f"feature k={k}"]["measured"])
+    secs, agg, got = _spec_run(target, distilled, ids, 3, new_tokens)
+    add_row("distilled k=3", 3, secs, agg, got, alone_s, c["distilled"])
+    values = {"c": c, "v": v, "target_step_s": v_secs[1], "rows": rows, "precision": name}
+    if compile:
+        _compiled_rows(r, rows, add_row, model_name, dtype, device, tok, prompts, ids, want, alone_s, k_best,
+                       new_tokens, values)
+    best = max(rows, key=lambda key: rows[key]["measured"])
+    r.add("best / target alone (eager)", f"{rows[best]['measured']:.2f}x ({best})")
+    values |= {"best": best, **_engine_rows(r, target, tok, feature, prompts[:8], k_best, new_tokens, batch_sizes)}
+    r.values = values
+    return r

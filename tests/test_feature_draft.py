@@ -1,0 +1,171 @@
+"""The feature draft (EAGLE's idea): trained on the target's features, it proposes; the target's tokens come out.
+
+A small draft for the bundled target is trained here in seconds on its own features, so that it proposes
+tokens the target accepts; every guarantee is checked on held-out prompts with and without a stop token,
+in `speculative_generate` and inside the engine, greedy and sampled.
+"""
+import pytest
+import torch
+
+import infopt_lab as lab
+from infopt_lab import feature_draft as fd
+from infopt_lab import feature_train as ft
+from infopt_lab import speculative as sp
+from infopt_lab.bench.exactness import heldout_prompts
+
+COVERED = 384          # of the bundled target's 4,096 tokens: non-covered tokens are common
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The fp32 bundled target, its tokenizer, and a feature draft trained on its features for a few seconds."""
+    target, tok = lab.load_model("target", dtype=torch.float32)
+    texts = lab.data.read_texts("train")[:40]
+    sequences = [tok.encode(t)[:192] for t in texts if len(t) > 2000][:24]
+    data = ft.build_features(target, sequences, None, window=96, progress=False)
+    choices = ft.target_choices(target, data)
+    ids = ft.frequent_tokens(choices, COVERED, always=[tok.eos_token_id])
+    draft = fd.initial_draft(target, ids, seed=0)
+    history = ft.train_draft(draft, data, steps=80, batch_size=8, lr=2e-3, warmup=10, progress=False,
+                             eval_every=79)
+    return target, tok, draft, history
+
+
+def test_training_lowers_the_loss_and_raises_agreement(trained):
+    *_, history = trained
+    first, last = history[0], history[-1]
+    assert last["loss"] < 0.8 * first["loss"], history
+    assert last["top1_1"] > first["top1_1"] + 0.1, history
+
+
+@pytest.mark.parametrize("stop_at_eos", [True, False])
+def test_greedy_output_is_the_targets_on_held_out_prompts(trained, stop_at_eos):
+    target, tok, draft, _ = trained
+    accepted = 0
+    for prompt in heldout_prompts(tok, 8, seed=29):
+        want = lab.generate(target, tok, prompt, max_new_tokens=48, stop_at_eos=stop_at_eos).token_ids
+        ids = torch.tensor([tok.encode(prompt)])
+        for k in (1, 4):
+            out = sp.speculative_generate(target, draft, ids, max_new_tokens=48, k=k, stop_at_eos=stop_at_eos)
+            assert out.token_ids == want, (prompt, k)
+            assert out.target_forwards == len(out.rounds) + 1
+            accepted += sum(r.accepted for r in out.rounds)
+    assert accepted > 0                           # the draft proposes tokens the target keeps
+
+
+def test_a_forced_eos_inside_an_accepted_draft_ends_the_output_there(trained):
+    """A stop id the draft proposes and the target accepts ends the output where generate ends it."""
+    target, tok, draft, _ = trained
+    for prompt in heldout_prompts(tok, 8, seed=29):
+        ids = torch.tensor([tok.encode(prompt)])
+        free = sp.speculative_generate(target, draft, ids, max_new_tokens=48, k=4, stop_at_eos=False)
+        seen = set(tok.encode(prompt))
+        for r in free.rounds:                     # a token first seen as an accepted draft token
+            stop = next((t for t in r.emitted[:r.accepted] if t not in seen and t not in free.token_ids[
+                :free.token_ids.index(t)]), None)
+            if stop is not None:
+                params = lab.SamplingParams(max_new_tokens=48, stop_token_ids=(stop,), stop_at_eos=False)
+                want = lab.generate(target, tok, prompt, params).token_ids
+                assert want[-1] == stop
+                assert sp.speculative_generate(target, draft, ids, params, k=4).token_ids == want
+                engine = lab.Engine(target, tok, draft=draft, num_speculative_tokens=4)
+                assert engine.generate([prompt], params)[0].token_ids == want
+                return
+    pytest.fail("no accepted draft token was seen first")
+
+
+@pytest.mark.parametrize("setting", [dict(max_batch_size=1), dict(max_batch_size=4),
+                                     dict(max_batch_size=4, enable_prefix_caching=True)])
+def test_the_engine_gives_the_tokens_it_gives_without_speculation(trained, setting):
+    target, tok, draft, _ = trained
+    prompts = heldout_prompts(tok, 8, seed=29)
+    prompts += prompts[:3]                        # repeats: prefix-cache hits where caching is on
+    plain = lab.Engine(target, tok, **setting).generate(prompts, max_new_tokens=48)
+    engine = lab.Engine(target, tok, draft=draft, num_speculative_tokens=3, **setting)
+    spec = engine.generate(prompts, max_new_tokens=48)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.stats.draft_tokens > 0 and engine.stats.accepted_tokens > 0
+
+
+def test_the_engine_accepts_what_speculative_generate_accepts_at_batch_1(trained):
+    """The engine's held features and catch-up give the draft the inputs the single-sequence loop gives it.
+
+    Not to the token: the engine drafts fewer than k where a request has fewer tokens left, and its packed
+    passes round differently, so near-ties in the draft may fall the other way; a feature read from the
+    wrong position would lower the engine's acceptance far more than that.
+    """
+    target, tok, draft, _ = trained
+    prompts = heldout_prompts(tok, 6, seed=29)
+    alone = [sp.speculative_generate(target, draft, torch.tensor([tok.encode(p)]), max_new_tokens=48, k=3)
+             for p in prompts]
+    engine = lab.Engine(target, tok, max_batch_size=1, draft=draft, num_speculative_tokens=3)
+    engine.generate(prompts, max_new_tokens=48)
+    rounds = sp.SpeculativeOutput([], 3, [r for o in alone for r in o.rounds], 0, 0, 1.0)
+    assert rounds.acceptance_rate > 0.1                       # a draft the target listens to
+    assert engine.stats.acceptance_rate == pytest.approx(rounds.acceptance_rate, abs=0.05)
+
+
+def _tv(p: torch.Tensor, q: torch.Tensor, covered: torch.Tensor, k: int, trials: int) -> float:
+    """Draw k tokens from q, verify against p; total variation of the first emitted token from p, over buckets.
+
+    Each token holding at least 0.5% of p or q is its own bucket; the other covered tokens share one and
+    the other uncovered tokens (which q never proposes: only the fallback emits them) another. Over all
+    4,096 tokens one by one, 20,000 draws of p itself would land about 0.04 from p: sampling noise alone.
+    """
+    g = torch.Generator().manual_seed(29)
+    counts = torch.zeros_like(p)
+    qs, ps = q.expand(k, -1), p.expand(k + 1, -1)
+    for _ in range(trials):
+        d = torch.multinomial(qs, 1, generator=g).squeeze(1)
+        emitted, _ = sp.verify(d, qs, ps, g)
+        counts[emitted[0]] += 1
+    own = (p >= 0.005) | (q >= 0.005)
+    in_cover = torch.zeros_like(own)
+    in_cover[covered] = True
+    buckets = [own, ~own & in_cover, ~own & ~in_cover]
+    got = torch.cat([counts[own] / trials] + [(counts[b].sum() / trials)[None] for b in buckets[1:]])
+    want = torch.cat([p[own]] + [p[b].sum()[None] for b in buckets[1:]])
+    return 0.5 * (got - want).abs().sum().item()
+
+
+def test_sampling_keeps_the_targets_distribution_where_the_draft_covers_part_of_the_vocabulary(trained):
+    """At temperature 0.8 the draft's q is zero off its covered tokens; verification still emits p."""
+    target, tok, draft, _ = trained
+    assert draft.coverage_size < target.config.vocab_size
+    ids = torch.tensor([tok.encode("def parse(text):\n    ")])
+    with torch.no_grad():
+        h = target.hidden_states(ids)[0]
+        p = lab.sampling.logits_to_probs(target.logits(h[-1]), 0.8, None, None)
+        q = lab.sampling.logits_to_probs(draft.full_logits(draft.hidden(h[None, -2:-1], ids[:, -1:],
+                                                                        torch.tensor([1])))[0, 0], 0.8, None, None)
+    uncovered = torch.ones_like(p, dtype=torch.bool)
+    uncovered[draft.token_ids] = False
+    assert q[uncovered].sum() == 0 and p[uncovered].sum() > 0.01      # the fallback is exercised
+    assert _tv(p, q, draft.token_ids, k=1, trials=20_000) <= 0.02
+    assert _tv(p, q, draft.token_ids, k=3, trials=20_000) <= 0.02
+    a = sp.speculative_generate(target, draft, ids, max_new_tokens=40, k=3, temperature=0.8, seed=5)
+    b = sp.speculative_generate(target, draft, ids, max_new_tokens=40, k=3, temperature=0.8, seed=5)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 40
+
+
+def test_save_load_and_bad_input(trained, tmp_path):
+    target, tok, draft, _ = trained
+    draft.save_pretrained(tmp_path / "d", dtype=torch.float32)
+    again = fd.FeatureDraft.from_pretrained(tmp_path / "d", target)
+    assert torch.equal(again.token_ids, draft.token_ids)
+    ids = torch.tensor([tok.encode("import os\n")])
+    assert sp.speculative_generate(target, again, ids, max_new_tokens=24, k=3).token_ids == \
+        sp.speculative_generate(target, draft, ids, max_new_tokens=24, k=3).token_ids
+    other, _ = lab.load_model("target", dtype=torch.float32)
+    with pytest.raises(ValueError, match="attach"):
+        sp.speculative_generate(other, draft, ids, max_new_tokens=8)
+    with pytest.raises(ValueError, match="distinct ids"):
+        fd.FeatureDraft(target.config, torch.tensor([1, 1, 2]))
+    with pytest.raises(ValueError, match="distinct ids"):
+        fd.FeatureDraft(target.config, torch.tensor([target.config.vocab_size]))
+    with pytest.raises(ValueError, match="width"):
+        fd.FeatureDraft(lab.get_preset("tiny"), torch.arange(8)).attach(target)
+    with pytest.raises(RuntimeError, match="attach the target"):
+        fd.FeatureDraft(target.config, torch.arange(8)).target
+    with pytest.raises(ValueError, match="does not hold a feature draft"):
+        fd.FeatureDraft.from_pretrained(lab.loading.resolve_model_dir("draft"))
