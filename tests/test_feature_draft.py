@@ -12,6 +12,9 @@ from infopt_lab import feature_draft as fd
 from infopt_lab import feature_train as ft
 from infopt_lab import speculative as sp
 from infopt_lab.bench.exactness import heldout_prompts
+from infopt_lab.exactness import compare
+
+from draws import first_token_counts
 
 COVERED = 384          # of the bundled target's 4,096 tokens: non-covered tokens are common
 
@@ -52,6 +55,21 @@ def test_greedy_output_is_the_targets_on_held_out_prompts(trained, stop_at_eos):
             accepted += sum(r.accepted for r in out.rounds)
     assert accepted > 0                           # the draft proposes tokens the target keeps
 
+
+def test_compiled_verify_passes_give_the_eager_tokens_by_the_rule(trained):
+    """compile=True runs the (k + 1)-token verify passes through compiled graphs: generate's tokens, stops included,
+    except at rounding ties (fp32), for the feature draft and for a draft model."""
+    target, tok, draft, _ = trained
+    small, _ = lab.load_model("draft", dtype=torch.float32)
+    prompts = heldout_prompts(tok, 4, seed=31)
+    newline = tok.encode("\n", add_special_tokens=False)
+    want = [lab.generate(target, tok, p, max_new_tokens=32, stop_token_ids=newline).token_ids for p in prompts]
+    for d in (draft, small):
+        got = [sp.speculative_generate(target, d, torch.tensor([tok.encode(p)]), max_new_tokens=32, k=3,
+                                       stop_token_ids=newline, compile=True).token_ids for p in prompts]
+        agreement = compare(target, [tok.encode(p) for p in prompts], want, got)
+        assert agreement.holds, agreement.summary(tok)
+    assert any(len(w) < 32 for w in want)                  # a stop token ended some output early
 
 def test_a_forced_eos_inside_an_accepted_draft_ends_the_output_there(trained):
     """A stop id the draft proposes and the target accepts ends the output where generate ends it."""
@@ -112,13 +130,7 @@ def _tv(p: torch.Tensor, q: torch.Tensor, covered: torch.Tensor, k: int, trials:
     the other uncovered tokens (which q never proposes: only the fallback emits them) another. Over all
     4,096 tokens one by one, 20,000 draws of p itself would land about 0.04 from p: sampling noise alone.
     """
-    g = torch.Generator().manual_seed(29)
-    counts = torch.zeros_like(p)
-    qs, ps = q.expand(k, -1), p.expand(k + 1, -1)
-    for _ in range(trials):
-        d = torch.multinomial(qs, 1, generator=g).squeeze(1)
-        emitted, _ = sp.verify(d, qs, ps, g)
-        counts[emitted[0]] += 1
+    counts = first_token_counts(p, q, k, trials, seed=29)
     own = (p >= 0.005) | (q >= 0.005)
     in_cover = torch.zeros_like(own)
     in_cover[covered] = True

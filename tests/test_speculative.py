@@ -7,6 +7,8 @@ import torch
 import infopt_lab as lab
 from infopt_lab import speculative as sp
 
+from draws import first_token_counts
+
 PROMPTS = ["def fib(n):", "import os\n\n\ndef read_file(path):", "class Stack:\n    def __init__(self):",
            "    for i in range(len(items)):", "x = 1", "def main():\n    args = parse_args()", "import sys",
            "    return self._cache[key]", "try:\n    import threading", "def _check(value, name):",
@@ -104,15 +106,8 @@ def test_tokens_per_pass_follow_the_formula(pair):
 
 
 def _tv_of_first_token(p: torch.Tensor, q: torch.Tensor, k: int, trials: int = 20_000) -> float:
-    """Draw k draft tokens from q, verify against p at every position; TV distance of the first emitted token to p."""
-    g = torch.Generator().manual_seed(1234)
-    counts = torch.zeros_like(p)
-    draft_probs, target_probs = q.expand(k, -1), p.expand(k + 1, -1)
-    for _ in range(trials):
-        draft = torch.multinomial(draft_probs, 1, generator=g).squeeze(1)
-        emitted, accepted = sp.verify(draft, draft_probs, target_probs, g)
-        assert len(emitted) == accepted + 1 and 0 <= accepted <= k
-        counts[emitted[0]] += 1
+    """TV distance to p of the first token verification emits when k draft tokens are drawn from q."""
+    counts = first_token_counts(p, q, k, trials, seed=1234)
     return 0.5 * (counts / trials - p).abs().sum().item()
 
 

@@ -165,11 +165,16 @@ def crossover_batch(points: list[SpecPoint]) -> int | None:
 
     None when it pays at the largest batch size measured.
     """
+    return losing_from({p.batch_size: p.speedup for p in points})
+
+
+def losing_from(speedups: dict[int, float]) -> int | None:
+    """`crossover_batch` over {batch size: speedup}: from which batch size on every ratio is below 1 (None if none)."""
     crossover = None
-    for p in sorted(points, key=lambda p: p.batch_size, reverse=True):
-        if p.speedup >= 1:
+    for batch in sorted(speedups, reverse=True):
+        if speedups[batch] >= 1:
             break
-        crossover = p.batch_size
+        crossover = batch
     return crossover
 
 

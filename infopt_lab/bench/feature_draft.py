@@ -20,6 +20,7 @@ from ..kv_cache import KVCache
 from ..loading import DRAFT_OF, load_model
 from ..speculative import SpeculativeOutput, expected_tokens_per_pass, speculative_generate
 from ..timing import time_interleaved
+from .engine import losing_from
 from .exactness import heldout_prompts
 from .result import Result, describe_model
 
@@ -101,10 +102,14 @@ def _engine_rows(r: Result, target, tok, feature, prompts, k: int, new_tokens: i
         r.add(f"engine batch {b}", f"{e['feature_tok_s']:.1f} vs {e['plain_tok_s']:.1f} tok/s "
                                    f"({e['ratio']:.2f}x), accepted/proposed {e['draft_yield']:.2f}, "
                                    f"same tokens: {e['same_tokens']}")
-    losing = [b for b, e in eng.items() if e["ratio"] < 1]
-    r.add("crossover", f"speculation stops paying at batch {min(losing)}" if losing else
-          f"speculation paid at every batch size measured (up to {max(batch_sizes)})")
-    return {"engine": eng, "crossover": min(losing) if losing else None}
+    paying = [b for b, e in eng.items() if e["ratio"] >= 1]
+    losing = [b for b in eng if b not in paying]
+    crossover = losing_from({b: e["ratio"] for b, e in eng.items()})
+    r.add("crossover", "speculation lost at every batch size measured" if not paying else
+          f"speculation paid at every batch size measured (up to {max(batch_sizes)})" if not losing else
+          f"speculation paid at batch {', '.join(map(str, paying))} and lost at batch {', '.join(map(str, losing))}"
+          + (f"; from batch {crossover} on it lost at every size measured" if crossover is not None else ""))
+    return {"engine": eng, "crossover": crossover}
 
 
 def _compiled_rows(r: Result, rows: dict, add_row, model_name, dtype, device, tok, prompts, ids, want,

@@ -154,12 +154,8 @@ class FeatureSpeculator(Speculator):
             seq, last = c.seq, c.start                     # position of the token the target feeds now
             begin = max(1, min(seq.draft_computed, last))  # draft position 0 reads no feature: never computed
             first, held = self.features.get(seq, (0, torch.zeros(0, C)))
-            rows = []
-            for j in range(begin, last + 1):               # position j reads the feature of position j - 1
-                i = j - 1 - first
-                rows.append(held[i] if 0 <= i < len(held) else held.new_zeros(C))
             chunks.append(Chunk(seq, begin, seq.all_ids[begin:last + 1], 1))
-            feats.append(torch.stack(rows))
+            feats.append(_shifted_rows(held, first, begin, last, C))
             self.features[seq] = (last, held[last - first:]) if last - first < len(held) else (last, held[:0])
         drafts: dict[Sequence, list[int]] = {c.seq: [] for c in spec}
         _, h = self.draft.forward(chunks, features=torch.cat(feats).to(draft.head.dtype), with_hidden=True)
@@ -193,3 +189,13 @@ def check_speculation(target, draft, k, max_model_len: int) -> int:
         if isinstance(draft, FeatureDraft):
             draft.bind(target)
     return k
+
+
+def _shifted_rows(held: Tensor, first: int, begin: int, last: int, dim: int) -> Tensor:
+    """Features for positions begin..last, each the held feature of the position before it (zeros where none is held)."""
+    lo = begin - 1 - first                              # index in held of position begin - 1
+    rows = held.new_zeros(last + 1 - begin, dim)
+    a, b = max(lo, 0), min(last - first, len(held))
+    if a < b:
+        rows[a - lo:b - lo] = held[a:b]
+    return rows
