@@ -24,6 +24,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import validate
+from .device import bf16_autocast
 
 
 def distillation_loss(student_logits: Tensor, targets: Tensor, teacher_logits: Tensor,
@@ -78,7 +79,7 @@ class TeacherCache:
     @torch.no_grad()
     def build(cls, teacher, windows: Tensor, path: str | Path | None = None, k: int = 32, batch_size: int = 4,
               fingerprint: dict | None = None, progress: bool = True) -> "TeacherCache":
-        """Run `teacher` over `windows` once (bf16 autocast) and keep its top-k logits (under `path` if given).
+        """Run `teacher` over `windows` once (bf16 where the device has it) and keep its top-k logits (under `path` if given).
 
         Chunks already on disk are reused, so an interrupted build resumes; a cache built from
         other windows, another k or another teacher (`fingerprint`) is refused, not mixed in.
@@ -105,7 +106,7 @@ class TeacherCache:
                 part = load_file(str(chunk))
             else:
                 x = windows[i:i + batch_size, :-1].long().to(device)
-                with torch.autocast(device.type, dtype=torch.bfloat16):
+                with bf16_autocast(device):
                     top = teacher(x).float().topk(k, dim=-1)                 # (b, T, k) each
                 part = {"values": top.values.half().cpu().contiguous(), "indices": top.indices.int().cpu().contiguous()}
                 if chunk is not None:
@@ -162,7 +163,7 @@ def distill(student, teacher, tok, steps: int = 200, weight: float = 0.9, temper
     device = next(student.parameters()).device
     for step in bar:
         x, y, values, indices = (t.to(device) for t in cache.batch(np.random.default_rng([seed, step]), batch_size))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x.device.type == "cpu"):
+        with bf16_autocast(device):
             logits = student(x)                                           # (B, T, V)
         loss = distillation_loss(logits.flatten(0, 1), y.flatten(), values.flatten(0, 1),
                                  indices.flatten(0, 1), weight, temperature)

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from . import data
 from .config import get_preset
-from .device import get_device, keep_freed_memory
+from .device import bf16_autocast, get_device, keep_freed_memory
 from .distill import TeacherCache, distillation_loss
 from .model import Transformer
 from .recipe import RECIPES, Recipe, lr_at, optimizer, update, val_bits_per_byte  # noqa: F401  (re-exported: cli)
@@ -85,17 +85,17 @@ def _prepare_data(out: Path, recipe: Recipe, tokenizer_dir: str | Path | None):
 
 
 def _train_step(model, opt, x, y, lr: float, recipe: Recipe, teacher=None, cached=None) -> float:
-    """One optimizer step under bf16 autocast; returns the loss.
+    """One optimizer step under bf16 autocast where the device has bf16 (`device.bf16_autocast`); returns the loss.
 
     The teacher's logits come from `teacher` run on this batch, or from `cached` (values, indices [B, T, k]).
     """
-    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+    with bf16_autocast(x.device):
         logits = model(x)                                              # (B, T, V)
     t_logits, t_indices = None, None
     if cached is not None:
         t_logits, t_indices = (c.flatten(0, 1) for c in cached)        # (B*T, k) each
     elif teacher is not None:
-        with torch.inference_mode(), torch.autocast(x.device.type, dtype=torch.bfloat16):
+        with torch.inference_mode(), bf16_autocast(x.device):
             t_logits = teacher(x).float().flatten(0, 1).clone()        # (B*T, V)
     if t_logits is None:
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())

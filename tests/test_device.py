@@ -39,3 +39,11 @@ def test_kernel_launchers_refuse_bf16_on_a_t4():
     cache, tables, lens = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16), torch.zeros(1, 2), torch.ones(1)
     with pytest.raises(ValueError, match="paged decode kernel cannot run in torch.bfloat16"):
         plan_paged_decode(q[:, :, 0], cache, cache, tables, lens, T4)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_autocast_only_where_the_cpu_has_bf16(monkeypatch, native):
+    """Emulated bf16 is many times slower than fp32 on a CPU without AVX512-BF16/AMX: training stays in fp32 there."""
+    monkeypatch.setattr(lab.device, "cpu_has_native_bf16", lambda: native)
+    with lab.device.bf16_autocast("cpu"):
+        assert torch.is_autocast_enabled("cpu") is native

@@ -11,6 +11,7 @@ import infopt_lab as lab
 from infopt_lab.distill import (TeacherCache, distill, distillation_loss, teacher_cache,
                                validation_prompts)
 from infopt_lab.config import get_preset
+from infopt_lab.device import bf16_autocast
 from infopt_lab.loading import bundled_model_dir
 from infopt_lab.model import Transformer
 from infopt_lab.train import RECIPES, Recipe, train
@@ -66,7 +67,7 @@ def test_cache_holds_the_teachers_top_k_and_resumes_from_disk(tmp_path, teacher_
     teacher, windows = teacher_and_windows
     cache = TeacherCache.build(teacher, windows, tmp_path, k=4, batch_size=2, progress=False)
     assert cache.values.shape == cache.indices.shape == (5, 16, 4) and len(cache) == 5
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), bf16_autocast("cpu"):                # the precision the cache is built in here
         expected = teacher(windows[:, :-1].long()).float().topk(4, dim=-1)
     torch.testing.assert_close(cache.values.float(), expected.values.half().float())
     chunks = sorted(tmp_path.glob("topk-*.safetensors"))
