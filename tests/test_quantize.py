@@ -255,6 +255,17 @@ def test_scheme_table_on_a_tiny_model(tiny):
     assert len(format_table(rows).splitlines()) == 4
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_the_default_schemes_keep_bf16_where_the_hardware_has_it(monkeypatch, tiny, native):
+    """Emulated bf16 makes one perplexity pass about 30x fp32's: the default table leaves the row out there."""
+    from infopt_lab.bench import quant
+    monkeypatch.setattr(quant, "has_native_bf16", lambda device: native)
+    model, tok = tiny
+    names = [s.name for s in quant.default_schemes(model, tok)]
+    assert ("bf16" in names) is native and names[0] == "fp32" and "int8 per-channel" in names
+    assert "bf16" in [s.name for s in quant.default_schemes(model, tok, bf16=True)]
+
+
 def test_perplexity_through_the_cache_equals_the_one_pass_figure(tiny):
     from infopt_lab.bench.quant import cached_perplexity
     model, tok = tiny

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..device import get_device
+from ..device import get_device, has_native_bf16
 from ..gptq import calibration_ids, gptq_quantize_model
 from ..kv_cache import KVCache
 from ..kv_quant import QuantizedKVCache
@@ -57,13 +57,20 @@ def divides_all(model: nn.Module, group_size: int) -> bool:
     return all(m.in_features % group_size == 0 for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def default_schemes(model: nn.Module, tok, group_sizes=(128, 64, 32), gptq_group: int = 64) -> list[Scheme]:
-    """fp32, bf16, int8 per-channel, int4 per-channel and group-wise, int4 + GPTQ, int8 KV cache."""
+def default_schemes(model: nn.Module, tok, group_sizes=(128, 64, 32), gptq_group: int = 64,
+                    bf16: bool | None = None) -> list[Scheme]:
+    """fp32, bf16, int8 per-channel, int4 per-channel and group-wise, int4 + GPTQ, int8 KV cache.
+
+    `bf16=None` keeps the bf16 row where the model's device has bf16 in hardware (`device.has_native_bf16`):
+    emulated, its perplexity pass alone takes about 30x fp32's.
+    """
     def to(dtype):
         return lambda m: copy.deepcopy(m).to(dtype)
-    schemes = [Scheme("fp32", to(torch.float32)), Scheme("bf16", to(torch.bfloat16)),
-               Scheme("int8 per-channel", lambda m: quantize_model(m, "int8")),
-               Scheme("int4 per-channel", lambda m: quantize_model(m, "int4", None))]
+    if bf16 is None:
+        bf16 = has_native_bf16(next(model.parameters()).device)
+    schemes = [Scheme("fp32", to(torch.float32))] + ([Scheme("bf16", to(torch.bfloat16))] if bf16 else [])
+    schemes += [Scheme("int8 per-channel", lambda m: quantize_model(m, "int8")),
+                Scheme("int4 per-channel", lambda m: quantize_model(m, "int4", None))]
     schemes += [Scheme(f"int4 g{g}", lambda m, g=g: quantize_model(m, "int4", g))
                 for g in group_sizes if divides_all(model, g)]
     calib = calibration_ids(tok)
