@@ -6,6 +6,8 @@ in `speculative_generate` and inside the engine, greedy and sampled.
 """
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import infopt_lab as lab
 from infopt_lab import feature_draft as fd
@@ -181,3 +183,14 @@ def test_save_load_and_bad_input(trained, tmp_path):
         fd.FeatureDraft(target.config, torch.arange(8)).target
     with pytest.raises(ValueError, match="does not hold a feature draft"):
         fd.FeatureDraft.from_pretrained(lab.loading.resolve_model_dir("draft"))
+
+
+@given(first=st.integers(0, 12), held=st.integers(0, 10), begin=st.integers(1, 25), extra=st.integers(0, 8))
+def test_the_engines_catch_up_reads_the_feature_of_the_position_before(first, held, begin, extra):
+    """Position j reads the held feature of position j - 1, zeros where none is held (a gap, a prefix hit)."""
+    from infopt_lab.engine.spec_decode import _shifted_rows
+    last = begin + extra
+    features = torch.randn(held, 3)
+    want = torch.stack([features[j - 1 - first] if 0 <= j - 1 - first < held else torch.zeros(3)
+                        for j in range(begin, last + 1)])
+    assert torch.equal(_shifted_rows(features, first, begin, last, 3), want)

@@ -257,7 +257,7 @@ def test_scheme_table_on_a_tiny_model(tiny):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_the_default_schemes_keep_bf16_where_the_hardware_has_it(monkeypatch, tiny, native):
-    """Emulated bf16 makes one perplexity pass about 30x fp32's: the default table leaves the row out there."""
+    """Emulated bf16 makes one perplexity pass many times fp32's: the default table leaves the row out there."""
     from infopt_lab.bench import quant
     monkeypatch.setattr(quant, "has_native_bf16", lambda device: native)
     model, tok = tiny

@@ -62,7 +62,7 @@ def default_schemes(model: nn.Module, tok, group_sizes=(128, 64, 32), gptq_group
     """fp32, bf16, int8 per-channel, int4 per-channel and group-wise, int4 + GPTQ, int8 KV cache.
 
     `bf16=None` keeps the bf16 row where the model's device has bf16 in hardware (`device.has_native_bf16`):
-    emulated, its perplexity pass alone takes about 30x fp32's.
+    elsewhere bf16 is emulated, and its perplexity pass alone takes many times fp32's.
     """
     def to(dtype):
         return lambda m: copy.deepcopy(m).to(dtype)
