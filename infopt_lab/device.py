@@ -1,6 +1,7 @@
 """Where tensors live and how to time them: one place that knows about CUDA and Triton."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -49,8 +50,12 @@ def default_dtype(device: torch.device | str | None = None, cap: tuple[int, int]
     return torch.bfloat16 if torch.bfloat16 in supported_dtypes(cap) else torch.float16
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, Linux flags); False where it cannot tell."""
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, Linux flags); False where it cannot tell.
+
+    Read once: training asks at every step.
+    """
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
@@ -65,7 +70,9 @@ def has_native_bf16(device: torch.device | str) -> bool:
     Elsewhere bf16 arithmetic is emulated in software, many times slower than fp32.
     """
     device = torch.device(device)
-    return tuple(capability(device)) >= BF16_FROM if device.type == "cuda" else cpu_has_native_bf16()
+    if device.type == "cuda":
+        return torch.bfloat16 in supported_dtypes(capability(device))
+    return cpu_has_native_bf16()
 
 
 def bf16_autocast(device: torch.device | str) -> torch.autocast:
