@@ -19,6 +19,7 @@ from .loading import load_model
 from .metrics import model_weight_bytes, percentiles, request_metrics, throughput, weight_memory_gb
 from .model import Transformer
 from .predict import check_prediction
+from .records import record
 from .quality import Evaluation, bits_per_byte, evaluate, perplexity
 from .quantize import (QuantEmbedding, QuantLinear, WeightBytes, dequantize, pack_int4, quantization_error,
                        quantize_asymmetric, quantize_linear, quantize_model, quantize_symmetric, state_dict_bytes,
@@ -49,7 +50,7 @@ __all__ = [
     # costs and measurements
     "ForwardCost", "Roofline", "arithmetic_intensity", "decode_cost", "forward_cost", "generation_cost",
     "kv_cache_bytes", "param_count", "prefill_cost", "model_weight_bytes", "percentiles", "request_metrics",
-    "throughput", "weight_memory_gb", "check_prediction", "Timer", "measure_bandwidth_gbs", "measure_matmul_flops", "measure_roofline",
+    "throughput", "weight_memory_gb", "check_prediction", "record", "Timer", "measure_bandwidth_gbs", "measure_matmul_flops", "measure_roofline",
     "time_fn", "time_interleaved",
     # quality
     "Evaluation", "evaluate", "perplexity", "bits_per_byte",

@@ -87,6 +87,8 @@ def fixture_reports():
 # s00..s05 hand in the solution of each exercise; "ballast" hands in solution 00 holding 1.5 GB
 # (under the default 4096 MB cap); "nometa" hands in solution 00 with its exercise metadata removed.
 STUDENTS = {f"s{name[:2]}": name for name in available_exercises()}
+# "wrong07" hands in solution 07 with task 4's decision changed to a rung that changes the transcripts.
+WRONG_07 = ("**Your decision (task 4)**", "\n\nDecision: all combined\n\nIt costs 0.273 per million tokens.")
 BALLAST = "ballast = torch.ones(1536 << 18)  # 1.5 GiB, touched\nassert ballast.sum().item() == 1536 << 18"
 
 
@@ -102,6 +104,10 @@ def write_class(folder: Path) -> None:
     nb = nbformat.read(ROOT / "solutions" / "00_orientation.ipynb", as_version=4)
     del nb.metadata["infopt_lab"]
     nbformat.write(nb, folder / "nometa.ipynb")
+    nb = nbformat.read(ROOT / "solutions" / "07_putting_it_together.ipynb", as_version=4)
+    answer = next(c for c in nb.cells if c.cell_type == "markdown" and WRONG_07[0] in c.source)
+    answer.source = WRONG_07[0] + WRONG_07[1]
+    nbformat.write(nb, folder / "wrong07.ipynb")
     (folder / "carol").mkdir()                    # solution 00 in a file named after exercise 01
     shutil.copyfile(ROOT / "solutions" / "00_orientation.ipynb", folder / "carol" / "01_cost_anatomy_kv_cache.ipynb")
 
@@ -156,6 +162,16 @@ def test_class_folder_full_marks_exercises_zero(cli_run):
         assert all(t["output"].startswith("not implemented") for t in exercise["tests"])
 
 
+def test_a_wrong_decision_costs_that_tasks_points_end_to_end(cli_run):
+    _, out = cli_run
+    wrong = json.loads((out / "json" / "wrong07.json").read_text())
+    failed = [t for t in wrong["tests"] if t["status"] == "failed"]
+    assert [t["name"] for t in failed] == [next(c.name for c in load_checks("07_putting_it_together")
+                                                if c.written and "decision" in c.name)]
+    assert "your own record gives 'prefix caching'" in failed[0]["output"]
+    assert wrong["score"] == wrong["max_score"] - failed[0]["max_score"]
+
+
 def test_unmatched_notebook_is_an_error_not_a_zero(cli_run):
     proc, out = cli_run
     assert proc.returncode == 1, proc.stderr
@@ -187,7 +203,7 @@ def test_csv_has_one_row_per_submission(cli_run):
     names = available_exercises()
     assert header[0] == "id" and header[-3:] == ["total", "max", "error"]
     assert len(header) == 4 + sum(len(load_checks(n)) for n in names)
-    ids = ["ballast", "nometa", *STUDENTS, "carol", *names]
+    ids = ["ballast", "nometa", *STUDENTS, "wrong07", "carol", *names]
     assert [r[0] for r in body] == ids
     assert all(len(r) == len(header) for r in body)
     by_id = {r[0]: r for r in body}

@@ -24,6 +24,7 @@ from time import monotonic
 import nbformat
 from tqdm.auto import tqdm
 
+from .answers import Written
 from .checks import Check, CheckFailed, available_exercises, load_checks
 from .guard import FileGuard, outside_writes
 from .kernel import GraderError, KernelSession, Limits
@@ -112,10 +113,19 @@ def named_exercise(path: Path) -> str | None:
 
 
 class Submission:
-    """What a check sees of a submission: `call(name, *args)`, nothing else."""
+    """What a check sees of a submission: `call(name, *args)`, and what it wrote down (`record`, `answer`)."""
 
-    def __init__(self, session: KernelSession, timeout: float):
+    def __init__(self, session: KernelSession, timeout: float, written: Written | None = None):
         self.session, self.timeout, self.deadline = session, timeout, monotonic() + timeout
+        self.written = written or Written({}, [])
+
+    def record(self, name: str):
+        """A record the notebook saved with its outputs (see `answers.Written.record`)."""
+        return self.written.record(name)
+
+    def answer(self, title: str) -> str:
+        """The markdown answer holding `title` (see `answers.Written.answer`)."""
+        return self.written.answer(title)
 
     def start_check(self) -> None:
         """Give the next check its full time limit."""
@@ -136,6 +146,12 @@ class Submission:
             kind = next(v for v in values if isinstance(v, dict) and "__unsupported__" in v)["__unsupported__"]
             raise CheckFailed(f"{name} returned a {kind}; return numbers, lists or tensors")
         return values
+
+
+def grade_written(nb, exercise: str) -> list[CheckResult]:
+    """The exercise's `written` checks on a saved notebook, no kernel run: how its decision tasks score."""
+    sub = Submission(None, 0.0, Written.from_notebook(nb))
+    return [run_check(c, sub, nb, None) for c in load_checks(exercise) if c.written]
 
 
 def call_error(name: str, args: tuple, result: dict) -> CallError:
@@ -217,6 +233,7 @@ def grade_one(sub: SubmissionFile, workdir: Path, limits: Limits, checks: dict[s
     exercise = identify_exercise(sub.path, nb, forced)
     if exercise is None:
         return error_report(sub, unmatched_reason(sub.path))
+    written = Written.from_notebook(nb)           # as handed in, before running it changes the outputs
     workdir.mkdir()
     shutil.copyfile(sub.path, workdir / sub.path.name)
     report = SubmissionReport(sub.id, str(sub.path), exercise)
@@ -228,7 +245,7 @@ def grade_one(sub: SubmissionFile, workdir: Path, limits: Limits, checks: dict[s
             session.execute()
         except KernelLost as e:
             report.notes.append(f"the notebook could not be run to the end: {e}")
-        proxy = Submission(session, limits.check_timeout)
+        proxy = Submission(session, limits.check_timeout, written)
         report.results = [run_check(c, proxy, nb, session) for c in checks[exercise]]
     cell_notes = [f"{cell_label(nb, i)} {note}" for i, note in sorted(session.cell_notes.items())]
     report.notes = cell_notes + session.notes + report.notes

@@ -11,13 +11,19 @@ Conventions the notebook states and these checks hold the student to (W is [N, K
   nibble: [a, b] -> a | b << 4; an odd length is padded with a zero nibble. `unpack_int4(packed, length)`
   inverts it exactly.
 - `int4_linear(x, packed, scale, zero)` = x @ W_hat.T with W_hat = (q - zero) * scale per group.
+- Task 5, a group size chosen from the student's own measurement: the notebook records
+  `lab.record("group_sizes", {"model", "fp32_ppl", "rows": [{"group_size", "bytes_per_weight", "ppl",
+  "ppl_delta_pct"}]})`, where bytes_per_weight = 0.5 + (scale bytes + zero bytes) / group_size and
+  ppl_delta_pct = 100 (ppl / fp32_ppl - 1); the answer under DECISION_TITLE names, in a `Decision:` line,
+  the group size with the lowest perplexity among those within BUDGET bytes per weight (`none` when none
+  fits) and cites that row's ppl_delta_pct. Checked against the record, never re-measured.
 """
 from __future__ import annotations
 
 import torch
 
 from ..protocol import Tensor
-from . import CheckFailed, as_tensor, check, expect_raises, short
+from . import CheckFailed, as_tensor, check, expect_cited, expect_named, expect_raises, short, written_decision
 
 HIDDEN_SEEDS = (11, 12)
 
@@ -185,3 +191,73 @@ def linear_hidden(sub):
     """One row (decode) and many rows, other group sizes."""
     check_linear(sub, 21, 1, 16, 64, 32)
     check_linear(sub, 22, 9, 12, 48, 16)
+
+
+# --- task 5: a group size from the student's own measurement -------------------------------------
+
+DECISION_TITLE = "Your decision (task 5)"
+BUDGET = 0.6                                   # bytes per weight, as the notebook states
+ELEMENT_BYTES = (1, 2, 4, 8)                   # what a scale or a zero point may be stored in
+
+
+def recorded_rows(sub) -> list[dict]:
+    """The recorded rows, checked against the formulas they must satisfy."""
+    data = sub.record("group_sizes")
+    rows = data.get("rows") if isinstance(data, dict) else None
+    fp32 = data.get("fp32_ppl") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or len(rows) < 2 or not isinstance(fp32, (int, float)) or not fp32 > 1:
+        raise CheckFailed("record 'group_sizes' must hold fp32_ppl (> 1) and at least two rows")
+    for r in rows:
+        keys = ("group_size", "bytes_per_weight", "ppl", "ppl_delta_pct")
+        if not isinstance(r, dict) or any(not isinstance(r.get(k), (int, float)) or isinstance(r.get(k), bool)
+                                          for k in keys):
+            raise CheckFailed(f"each row of record 'group_sizes' needs numbers {', '.join(keys)}; got {short(r)}")
+        g = r["group_size"]
+        overhead = (r["bytes_per_weight"] - 0.5) * g
+        if g < 1 or not any(abs(overhead - a - b) < 1e-6 for a in ELEMENT_BYTES for b in ELEMENT_BYTES):
+            raise CheckFailed(f"group size {g}: bytes_per_weight {r['bytes_per_weight']:.6g} is not 0.5 plus a "
+                              "scale and a zero point's bytes per group")
+        if abs(r["ppl_delta_pct"] - 100 * (r["ppl"] / fp32 - 1)) > 1e-6 * max(1.0, abs(r["ppl_delta_pct"])):
+            raise CheckFailed(f"group size {g}: ppl_delta_pct {r['ppl_delta_pct']:.6g} is not "
+                              f"100 * (ppl / fp32_ppl - 1) = {100 * (r['ppl'] / fp32 - 1):.6g}")
+    if len({r["group_size"] for r in rows}) != len(rows):
+        raise CheckFailed("record 'group_sizes' measures a group size twice")
+    return rows
+
+
+def reference_group(rows: list[dict]) -> dict | None:
+    """The row with the lowest perplexity within the budget (the larger group of equal perplexities), or None."""
+    fits = [r for r in rows if r["bytes_per_weight"] <= BUDGET]
+    return min(fits, key=lambda r: (r["ppl"], -r["group_size"])) if fits else None
+
+
+@check("task 5: the recorded group sizes follow the size and perplexity-change formulas", points=1, written=True)
+def group_sizes_recorded(sub):
+    """Each row's bytes per weight and perplexity change agree with its own group size and perplexity."""
+    recorded_rows(sub)
+
+
+@check("task 5: the decision names the group size with the lowest perplexity within 0.6 bytes per weight, "
+       "and cites its perplexity change", points=2, written=True)
+def group_size_decision(sub):
+    """The Decision line names the reference group size (or none); the answer cites its ppl_delta_pct."""
+    rows = recorded_rows(sub)
+    text, line = written_decision(sub, DECISION_TITLE, "a group size")
+    best = reference_group(rows)
+    options = ["none", *(str(r["group_size"]) for r in rows)]
+    expect_named(line, "none" if best is None else str(best["group_size"]), options,
+                 f"the lowest perplexity within {BUDGET} bytes per weight")
+    if best is not None:
+        expect_cited(text, best["ppl_delta_pct"], f"group size {best['group_size']}'s perplexity change in percent",
+                     rel=0.02, abs_tol=0.05)
+
+
+def wrong_answers(written) -> list[str]:
+    """Every other group size with its own perplexity change, and the right one citing another row's."""
+    rows = written.record("group_sizes")["rows"]
+    best = reference_group(rows)
+    other = [r for r in rows if r is not best]
+    return ([f"\n\nDecision: group size {r['group_size']}\n\nIts perplexity rises {r['ppl_delta_pct']:+.2f}%."
+             for r in other]
+            + [f"\n\nDecision: group size {best['group_size']}\n\nIts perplexity rises "
+               f"{max(other, key=lambda r: r['ppl'])['ppl_delta_pct']:+.2f}%."])

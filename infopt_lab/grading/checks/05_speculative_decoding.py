@@ -10,13 +10,19 @@ Conventions the notebook states and these checks hold the student to:
   Driven through the given `emitted_histogram(p, q, k, trials, seed, p_last=None)`.
 - `expected_tokens_per_pass(alpha, k)` = (1 - alpha^(k+1)) / (1 - alpha), k + 1 at alpha = 1; ValueError for
   alpha outside [0, 1] or k < 1.
+- Task 4, the best k from the student's own measurement: the notebook records
+  `lab.record("best_k", {"alpha", "c", "v": {"1": 1.0, ..., "7": ...}, "predicted": {"1": ..., "6": ...},
+  "best_k", "measured_speedup"})` with predicted[k] = E(alpha, k) / (k c + v[k + 1]); the answer under
+  DECISION_TITLE names k in a `Decision:` line and cites its predicted speedup. Timings decide, so any k whose
+  prediction is within NEAR_TIE of the best counts as the best.
 """
 from __future__ import annotations
 
 import random
+import re
 
 from ...speculative import expected_tokens_per_pass, verify_greedy
-from . import CheckFailed, check, expect_close, expect_raises, short
+from . import CheckFailed, check, expect_cited, expect_close, expect_raises, short, written_decision
 
 TRIALS = 8000
 MAX_TV = 0.035           # a correct rule exceeds it with negligible probability at TRIALS draws
@@ -102,3 +108,70 @@ def formula_hidden(sub):
                      rel=1e-6)
     for args in [(1.2, 4), (-0.1, 4), (0.5, 0)]:
         expect_raises(sub, "ValueError", "expected_tokens_per_pass", *args)
+
+
+# --- task 4: the best k from the student's own measurement ----------------------------------------
+
+DECISION_TITLE = "Your decision (task 4)"
+NEAR_TIE = 0.01          # a k predicted within 1% of the best is as good a choice: timings move that much
+
+
+def recorded_predictions(sub) -> dict[int, float]:
+    """The recorded predictions by k, checked against the formula on the record's own alpha, c and v."""
+    data = sub.record("best_k")
+    if not isinstance(data, dict) or not all(k in data for k in ("alpha", "c", "v", "predicted")):
+        raise CheckFailed("record 'best_k' must hold alpha, c, v and predicted")
+    alpha, c, v, predicted = data["alpha"], data["c"], data["v"], data["predicted"]
+    try:
+        v = {int(n): float(x) for n, x in v.items()}
+        predicted = {int(k): float(x) for k, x in predicted.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise CheckFailed("record 'best_k': v and predicted must map whole numbers to numbers") from None
+    if not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1 and isinstance(c, (int, float)) and c > 0):
+        raise CheckFailed(f"record 'best_k': alpha must be in [0, 1] and c > 0, got {alpha!r} and {c!r}")
+    if len(predicted) < 3 or min(predicted) != 1:
+        raise CheckFailed("record 'best_k' must predict k = 1 and at least two more")
+    for k, got in predicted.items():
+        if k + 1 not in v or v[k + 1] <= 0:
+            raise CheckFailed(f"record 'best_k' predicts k = {k} but holds no v({k + 1})")
+        want = expected_tokens_per_pass(alpha, k) / (k * c + v[k + 1])
+        if abs(got - want) > 1e-6 * want:
+            raise CheckFailed(f"predicted[{k}] = {got:.6g}, but E(alpha, {k}) / ({k} c + v({k + 1})) on the "
+                              f"record's own alpha, c and v is {want:.6g}")
+    return predicted
+
+
+def acceptable_ks(predicted: dict[int, float]) -> list[int]:
+    best = max(predicted.values())
+    return [k for k, x in predicted.items() if x >= (1 - NEAR_TIE) * best]
+
+
+@check("task 4: the recorded predictions are E / (k c + v(k + 1)) of the recorded alpha, c and v", points=1,
+       written=True)
+def best_k_recorded(sub):
+    """Each prediction recomputed from the record's own measurements."""
+    recorded_predictions(sub)
+
+
+@check("task 4: the decision names the k the cost model favours on the recorded measurements, and cites its "
+       "predicted speedup", points=2, written=True)
+def best_k_decision(sub):
+    """The Decision line names one k among the best (within NEAR_TIE); the answer cites its prediction."""
+    predicted = recorded_predictions(sub)
+    text, line = written_decision(sub, DECISION_TITLE, "k")
+    named = [int(x) for x in re.findall(r"(?<![\w.])(\d+)(?![\w.])", line)]
+    if len(named) != 1 or named[0] not in predicted:
+        raise CheckFailed(f"the decision line must name one k of {sorted(predicted)}, got {line!r}")
+    good = acceptable_ks(predicted)
+    if named[0] not in good:
+        raise CheckFailed(f"the decision names k = {named[0]}, predicted {predicted[named[0]]:.3f}x; your record "
+                          f"favours k = {', '.join(map(str, good))} ({max(predicted.values()):.3f}x)")
+    expect_cited(text, predicted[named[0]], f"k = {named[0]}'s predicted speedup", rel=0.01, abs_tol=0.005)
+
+
+def wrong_answers(written) -> list[str]:
+    """Each k outside the near-tie with its own prediction, and a best k citing a speedup a third higher."""
+    predicted = {int(k): x for k, x in written.record("best_k")["predicted"].items()}
+    good = acceptable_ks(predicted)
+    return ([f"\n\nDecision: k = {k}\n\nPredicted {x:.3f}x." for k, x in predicted.items() if k not in good]
+            + [f"\n\nDecision: k = {good[0]}\n\nPredicted {predicted[good[0]] * 4 / 3:.3f}x."])

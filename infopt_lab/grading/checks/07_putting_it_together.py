@@ -13,6 +13,11 @@ exact_match):
   -> the rung's dict with the lowest cost per million tokens among those that meet the targets and have
   peak_memory_bytes <= memory_budget_bytes (any memory when None); the earlier of equal costs. ValueError with
   "no rung" in its message when none qualifies.
+- Task 4, a decision from the student's own ladder: the notebook records the ladder it decided from
+  (`lab.record("ladder", {"source": ..., "rungs": [...]})`) and answers under DECISION_TITLE with a line
+  `Decision: <rung name>` and the rung's cost per million tokens at DECISION_PRICE, for transcripts that must
+  match rung 0's (exact match 1.0) at no perplexity cost (0.0%), any TTFT. The checks recompute the answer from
+  that record; they never run the ladder.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import random
 
 from ...bench.decision import cost_per_million_tokens, misses
 from ..protocol import Raised
-from . import CheckFailed, check, expect_close, expect_raises, short
+from . import CheckFailed, check, expect_cited, expect_close, expect_named, expect_raises, short, written_decision
 
 GiB = 2 ** 30
 
@@ -224,3 +229,66 @@ def cheapest_none(sub):
                  (rungs, 2.0, 10.0, 5.0, 0.0, 4 * GiB), (rungs, 2.0, 0.5, 0.5, 0.995),
                  (rungs, 2.0, 0.4, 1.0, 0.0, 10 * GiB)]:
         expect_no_rung(sub, args)
+
+
+# --- task 4: a decision from the student's own ladder -------------------------------------------
+
+DECISION_TITLE = "Your decision (task 4)"
+DECISION_PRICE = 0.10                                       # per hour, as the notebook states
+DECISION_TARGETS = (math.inf, 0.0, 1.0)                     # any TTFT, no perplexity change, every turn identical
+RUNG_KEYS = ("name", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_s", "peak_memory_bytes",
+             "ppl_delta_pct", "exact_match")
+
+
+def recorded_rungs(sub) -> list[dict]:
+    """The rungs of the recorded ladder, checked for the shape `Rung.as_json()` gives them."""
+    data = sub.record("ladder")
+    rungs = data.get("rungs") if isinstance(data, dict) else None
+    if not isinstance(rungs, list) or len(rungs) < 2:
+        raise CheckFailed("record 'ladder' must be a dict whose 'rungs' lists at least two rungs")
+    for i, r in enumerate(rungs):
+        missing = [k for k in RUNG_KEYS if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise CheckFailed(f"rung {i} of record 'ladder' lacks {', '.join(missing)}")
+        numbers = [r[k] for k in RUNG_KEYS[1:]]
+        if not isinstance(r["name"], str) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                     for x in numbers):
+            raise CheckFailed(f"rung {i} of record 'ladder' needs a name and numbers, got {short(r)}")
+        if r["throughput_tok_s"] <= 0 or not 0 <= r["exact_match"] <= 1 or r["peak_memory_bytes"] <= 0:
+            raise CheckFailed(f"rung {r['name']!r} of record 'ladder' holds impossible numbers: {short(r)}")
+    if len({r["name"] for r in rungs}) != len(rungs):
+        raise CheckFailed("record 'ladder' names a rung twice")
+    return rungs
+
+
+@check("task 4: the recorded ladder has the rows bench --ladder writes", points=1, written=True)
+def ladder_recorded(sub):
+    """Every rung with a name, a positive throughput and memory, an exact match in [0, 1]."""
+    recorded_rungs(sub)
+
+
+@check("task 4: the decision names the cheapest rung for identical transcripts on the recorded ladder, "
+       "and cites its cost", points=2, written=True)
+def ladder_decision(sub):
+    """The answer's Decision line names the reference choice, and the answer writes that rung's cost."""
+    rungs = recorded_rungs(sub)
+    text, line = written_decision(sub, DECISION_TITLE, "a rung")
+    best = reference_cheapest(rungs, DECISION_PRICE, DECISION_TARGETS)
+    if best is None:
+        expect_named(line, "none", ["none", *(r["name"] for r in rungs)], "identical transcripts at no cost")
+        return
+    want = rungs[best]
+    expect_named(line, want["name"], [r["name"] for r in rungs], "identical transcripts at no perplexity cost")
+    expect_cited(text, cost_per_million_tokens(want["throughput_tok_s"], DECISION_PRICE),
+                 f"{want['name']!r}'s cost per million tokens at {DECISION_PRICE:.2f} per hour")
+
+
+def wrong_answers(written) -> list[str]:
+    """Answers a grader must mark down, built from the notebook's own record: every other rung with its own
+    cost, and the right rung with a cost half as large again."""
+    rungs = written.record("ladder")["rungs"]
+    best = rungs[reference_cheapest(rungs, DECISION_PRICE, DECISION_TARGETS)]
+    cost = {r["name"]: cost_per_million_tokens(r["throughput_tok_s"], DECISION_PRICE) for r in rungs}
+    return ([f"\n\nDecision: {r['name']}\n\nIt costs {cost[r['name']]:.3f} per million tokens."
+             for r in rungs if r is not best]
+            + [f"\n\nDecision: {best['name']}\n\nIt costs {cost[best['name']] * 1.5:.3f} per million tokens."])

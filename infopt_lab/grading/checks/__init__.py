@@ -5,6 +5,10 @@ A check is a function decorated with `@check(name, points)` that takes a
 one-line reason when the answer is wrong. It reaches the student's code only
 through `sub.call(...)`, which returns plain data (numbers, lists, strings).
 Checks score all or nothing; they run in definition order.
+
+A decision task's checks read what the notebook wrote down instead (`sub.record(name)`, `sub.answer(title)`,
+see `infopt_lab.grading.answers`) and are marked `@check(..., written=True)`: they judge the choice a student
+made from their own measurement, so they never call into the kernel, and tests run them on a notebook alone.
 """
 from __future__ import annotations
 
@@ -32,15 +36,16 @@ class Check:
     name: str
     points: float
     run: Callable
+    written: bool = False  # reads only the saved notebook (records, answers), never the kernel
 
 
-def check(name: str, points: float = 1) -> Callable:
-    """Mark a function as a graded check worth `points`."""
+def check(name: str, points: float = 1, written: bool = False) -> Callable:
+    """Mark a function as a graded check worth `points`; `written` when it reads only the saved notebook."""
     if points <= 0:
         raise ValueError(f"points must be positive, got {points}")
 
     def mark(fn: Callable) -> Callable:
-        fn.check_name, fn.check_points = name, points
+        fn.check_name, fn.check_points, fn.check_written = name, points, written
         return fn
     return mark
 
@@ -58,7 +63,7 @@ def load_checks(exercise: str) -> list[Check]:
     module = importlib.import_module(f"{__name__}.{exercise}")
     marked = [fn for _, fn in inspect.getmembers(module, inspect.isfunction) if hasattr(fn, "check_name")]
     marked.sort(key=lambda fn: fn.__code__.co_firstlineno)
-    checks = [Check(fn.check_name, fn.check_points, fn) for fn in marked]
+    checks = [Check(fn.check_name, fn.check_points, fn, fn.check_written) for fn in marked]
     names = [c.name for c in checks]
     if len(set(names)) != len(names):
         raise ValueError(f"check names in {exercise} must be unique, got {names}")
@@ -116,3 +121,34 @@ def short(value) -> str:
     """A repr cut to fit in a reason line."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Helpers for decision tasks: the answer a student wrote under a task's title, read from the saved notebook.
+
+def written_decision(sub, title: str, what: str) -> tuple[str, str]:
+    """(the whole answer, its `Decision:` line), or CheckFailed saying the line is missing."""
+    from ..answers import decision
+    text = sub.answer(title)
+    try:
+        return text, decision(text, what)
+    except ValueError as e:
+        raise CheckFailed(f"under {title!r}: {e}") from None
+
+
+def expect_named(line: str, want: str, options: list[str], what: str) -> None:
+    """CheckFailed unless the decision line names `want` and no other of `options` (names matched whole)."""
+    def names(option: str) -> bool:
+        return re.search(rf"(?<![\w.]){re.escape(option.lower())}(?![\w.])", line.lower()) is not None
+    named = [o for o in options if names(o)]
+    longest = [o for o in named if not any(o != other and o.lower() in other.lower() for other in named)]
+    if longest != [want]:
+        got = ", ".join(repr(o) for o in longest) or "none of them"
+        raise CheckFailed(f"the decision names {got} for {what}; your own record gives {want!r}")
+
+
+def expect_cited(text: str, value: float, what: str, rel: float = 0.01, abs_tol: float = 0.005) -> None:
+    """CheckFailed unless the answer writes `value` (to within rounding) as the number behind the decision."""
+    from ..answers import cites
+    if not cites(text, value, rel, abs_tol):
+        raise CheckFailed(f"the answer does not cite {what} ({value:.4g} from your own record, to "
+                          f"{rel:.0%} or {abs_tol:g})")
