@@ -14,14 +14,24 @@ Conventions the notebook states and these checks hold the student to:
 - `sample_top_k(logits, k, seed)` keeps the k largest logits (all of them when k >= vocabulary
   size), samples from their softmax with a `torch.Generator` seeded with `seed`, returns an int.
   The same seed gives the same token; any sampling procedure with those properties passes.
+- Task 4, a decision from the student's own request: the notebook times one request on the bundled target
+  and records it (`lab.record("request_latency", {"prompt_tokens", "new_tokens", "token_times_s", "ttft_s",
+  "tpot_s", "longest_reply_tokens"})`, token times in seconds from a start of 0.0; TTFT and TPOT as above,
+  computed with the student's task 2 functions). The rule: the first token must be at least
+  FIRST_TOKEN_SHARE = 0.5 of the wait TTFT + (n - 1) * TPOT, so the longest such reply is
+  n* = floor(TTFT / TPOT) + 1 tokens. The answer under DECISION_TITLE has a line `Decision: <n> tokens` with
+  n within SLACK_TOKENS = 1 of n* (timings move between runs, and a TTFT / TPOT near a whole number rounds
+  either way), and cites the record's TTFT and TPOT in ms (to 1%, or 0.05 ms). The checks recompute n* from
+  the record; they never time anything.
 """
 from __future__ import annotations
 
 import math
 import random
+import re
 
 from ..protocol import Tensor
-from . import CheckFailed, as_int, check, expect_close, expect_raises
+from . import CheckFailed, as_int, check, expect_cited, expect_close, expect_raises, short, written_decision
 
 GIB = 1024**3
 SEED_PARAMS = 7_000_000_000
@@ -242,3 +252,92 @@ def top_k_distribution(sub):
     """Frequencies over 2000 seeds match the top-k softmax."""
     expect_distribution(sub, PUBLIC_LOGITS, 3)
     expect_distribution(sub, sampling_logits(1, 8, seed=3)[0], 2)
+
+
+# --- task 4: a decision from the student's own request ------------------------------------------
+
+DECISION_TITLE = "Your decision (task 4)"
+FIRST_TOKEN_SHARE = 0.5     # the first token must be at least this share of the wait until the last one
+SLACK_TOKENS = 1            # a named length this close to the reference passes: timings and rounding move it
+RECORD_KEYS = ("prompt_tokens", "new_tokens", "token_times_s", "ttft_s", "tpot_s", "longest_reply_tokens")
+
+
+def longest_reply(ttft_s: float, tpot_s: float, share: float = FIRST_TOKEN_SHARE) -> int:
+    """The largest n with ttft_s >= share * (ttft_s + (n - 1) * tpot_s); floor(ttft / tpot) + 1 at share 0.5."""
+    return math.floor(ttft_s * (1 - share) / (share * tpot_s)) + 1
+
+
+def n_fits(n: int, ttft_s: float, tpot_s: float) -> bool:
+    """Whether n is the longest reply to within float rounding (n* computed in ms instead of s, say)."""
+    return (n - 1) * tpot_s <= ttft_s * (1 + 1e-9) and n * tpot_s > ttft_s * (1 - 1e-9)
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def recorded_request(sub) -> dict:
+    """The recorded request, checked: token times from a start of 0.0, and TTFT, TPOT and n* computed from them."""
+    data = sub.record("request_latency")
+    missing = [k for k in RECORD_KEYS if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise CheckFailed(f"record 'request_latency' lacks {', '.join(missing)}")
+    times = data["token_times_s"]
+    if not isinstance(times, list) or len(times) < 2 or not all(is_number(t) for t in times):
+        raise CheckFailed("record 'request_latency': token_times_s must list the times of at least two tokens")
+    if times[0] <= 0 or any(b < a for a, b in zip(times, times[1:])) or times[-1] == times[0]:
+        raise CheckFailed(f"record 'request_latency': token_times_s must be positive and rising (seconds from the "
+                          f"start), got {short(times)}")
+    if data["new_tokens"] != len(times) or not isinstance(data["prompt_tokens"], int) or data["prompt_tokens"] < 1:
+        raise CheckFailed(f"record 'request_latency': new_tokens must be len(token_times_s) = {len(times)} and "
+                          f"prompt_tokens a positive count, got {data['new_tokens']!r} and {data['prompt_tokens']!r}")
+    for key, want in [("ttft_s", ttft(0.0, times)), ("tpot_s", tpot(0.0, times))]:
+        if not is_number(data[key]) or not math.isclose(data[key], want, rel_tol=1e-9, abs_tol=1e-12):
+            raise CheckFailed(f"record 'request_latency': {key} = {data[key]!r}, but token_times_s (start 0.0) "
+                              f"gives {want:.6g}; compute it with your task 2 function")
+    n, want = data["longest_reply_tokens"], longest_reply(data["ttft_s"], data["tpot_s"])
+    if not isinstance(n, int) or isinstance(n, bool) or not (n == want or n_fits(n, data["ttft_s"], data["tpot_s"])):
+        raise CheckFailed(f"record 'request_latency': longest_reply_tokens = {n!r}, but floor(ttft_s / tpot_s) + 1 "
+                          f"on the record's own TTFT and TPOT is {want}")
+    return data
+
+
+@check("task 4: the recorded request holds TTFT, TPOT and the longest reply computed from its token times",
+       points=1, written=True)
+def request_recorded(sub):
+    """TTFT and TPOT equal the task 2 formulas on the recorded token times; n* = floor(TTFT / TPOT) + 1."""
+    recorded_request(sub)
+
+
+@check("task 4: the decision gives the longest reply whose first token is at least half of the wait, and "
+       "cites TTFT and TPOT", points=2, written=True)
+def request_decision(sub):
+    """The Decision line gives n* (within SLACK_TOKENS) in tokens; the answer cites TTFT and TPOT in ms."""
+    data = recorded_request(sub)
+    text, line = written_decision(sub, DECISION_TITLE, "a number of tokens")
+    named = {int(x) for x in re.findall(r"(?<![\w.,])(\d+)\s*(?:new\s+)?tokens?\b", line, re.IGNORECASE)} or \
+        {int(x) for x in re.findall(r"(?<![\w.,])(\d+)(?![\w.,])", line)}
+    if len(named) != 1:
+        raise CheckFailed(f"the decision line must give one number of tokens, such as 'Decision: 7 tokens'; "
+                          f"got {line!r}")
+    want, got = longest_reply(data["ttft_s"], data["tpot_s"]), named.pop()
+    if abs(got - want) > SLACK_TOKENS:
+        raise CheckFailed(f"the decision gives {got} tokens; your record's TTFT {data['ttft_s'] * 1e3:.2f} ms and "
+                          f"TPOT {data['tpot_s'] * 1e3:.2f} ms give floor(TTFT / TPOT) + 1 = {want} "
+                          f"({SLACK_TOKENS} either side passes)")
+    expect_cited(text, data["ttft_s"] * 1e3, "your TTFT in ms", rel=0.01, abs_tol=0.05)
+    expect_cited(text, data["tpot_s"] * 1e3, "your TPOT in ms", rel=0.01, abs_tol=0.05)
+
+
+def wrong_answers(written) -> list[str]:
+    """Lengths outside the slack with the right TTFT and TPOT, and n* citing a wrong TTFT, then a wrong TPOT."""
+    data = written.record("request_latency")
+    ms = {"ttft": data["ttft_s"] * 1e3, "tpot": data["tpot_s"] * 1e3}
+    n = longest_reply(data["ttft_s"], data["tpot_s"])
+
+    def answer(tokens: int, ttft_ms: float, tpot_ms: float) -> str:
+        return f"\n\nDecision: {tokens} tokens\n\nTTFT {ttft_ms:.2f} ms, TPOT {tpot_ms:.2f} ms."
+    wrong_n = sorted({n + SLACK_TOKENS + 1, 2 * n + SLACK_TOKENS + 1, data["new_tokens"]} - set(
+        range(n - SLACK_TOKENS, n + SLACK_TOKENS + 1)))
+    return ([answer(k, ms["ttft"], ms["tpot"]) for k in wrong_n]
+            + [answer(n, ms["ttft"] * 1.5, ms["tpot"]), answer(n, ms["ttft"], ms["tpot"] * 1.5)])

@@ -13,14 +13,26 @@ Conventions the notebook states and these checks hold the student to:
   last row and out = softmax(k_cache @ q / sqrt(D)) @ v_cache over all S+1 positions.
 - `decode_all(Q, K, V)` (given in the notebook, built on attention_step) equals causal attention over
   [T, D] inputs, starting from an empty cache.
+- Task 4, a decision from the student's own measurement: the notebook records the KV footprint of real caches of
+  the bundled target after a prefill (`lab.record("kv_footprint", {"context", "budget_bytes", "caches": [...]})`,
+  one row per cache: its dtype name, tokens held, cache bytes, measured and formula bytes per token, and the
+  conversations the budget holds) and answers under DECISION_TITLE with `Decision: <cache>, <N> conversations`
+  and the cache's measured bytes per token. The rule: DECISION_BUDGET bytes of KV memory, every conversation
+  keeping DECISION_CONTEXT tokens; N = floor(budget / (measured bytes per token * context)), the right cache is
+  the one with the largest N (caches tied at that N are all accepted), N is the first number of the Decision
+  line, and the cited bytes per token must be within 1% of the record's. The checks recompute the answer from
+  the record; they never run the model.
 """
 from __future__ import annotations
 
 import math
 import random
+import re
 
+from ...config import get_preset
+from ..answers import numbers
 from ..protocol import Tensor
-from . import CheckFailed, check, expect_close, expect_raises, short
+from . import CheckFailed, check, expect_cited, expect_close, expect_named, expect_raises, short, written_decision
 
 GIB, MIB = 1024**3, 1024**2
 TOL = 1e-4  # float32 attention against a float64 reference
@@ -190,3 +202,114 @@ def step_stable(sub):
     q, k, v = [60.0, -60.0, 60.0, 60.0], grid(rng, 1, D, scale=40.0)[0], grid(rng, 1, D)[0]
     out, _, _ = step_result(sub, q, k, v, kc, vc)
     expect_matrix(out, attend(q, kc + [k], vc + [v]), "attention_step output with large scores")
+
+
+# --- task 4: a decision from the student's own cache measurement --------------------------------
+
+DECISION_TITLE = "Your decision (task 4)"
+DECISION_CONTEXT = 1024                 # tokens each conversation keeps, as the notebook states
+DECISION_BUDGET = 64 * MIB              # bytes of memory for the KV caches
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}   # a cache's name: its element size
+CACHE_KEYS = ("cache", "tokens_held", "cache_bytes", "bytes_per_token_measured", "bytes_per_token_formula",
+              "conversations")
+
+
+def conversations(bytes_per_token: float) -> int:
+    """How many conversations of DECISION_CONTEXT tokens fit in DECISION_BUDGET (exact quotients stay whole)."""
+    return math.floor(DECISION_BUDGET / (bytes_per_token * DECISION_CONTEXT) + 1e-9)
+
+
+def check_cache_row(i: int, r) -> None:
+    """CheckFailed unless row i of the record has the keys, the numbers and the arithmetic the notebook states."""
+    missing = [k for k in CACHE_KEYS if not isinstance(r, dict) or k not in r]
+    if missing:
+        raise CheckFailed(f"cache {i} of record 'kv_footprint' lacks {', '.join(missing)}")
+    if r["cache"] not in ELEMENT_BYTES or not all(isinstance(r[k], (int, float)) and not isinstance(r[k], bool)
+                                                  for k in CACHE_KEYS[1:]):
+        raise CheckFailed(f"cache {i} of record 'kv_footprint' needs a dtype name ({', '.join(ELEMENT_BYTES)}) "
+                          f"and numbers, got {short(r)}")
+    if r["tokens_held"] < 1 or r["cache_bytes"] <= 0:
+        raise CheckFailed(f"cache {r['cache']!r} holds {r['tokens_held']} tokens in {r['cache_bytes']} bytes")
+    if not math.isclose(r["bytes_per_token_measured"], r["cache_bytes"] / r["tokens_held"], rel_tol=1e-9):
+        raise CheckFailed(f"cache {r['cache']!r}: bytes_per_token_measured is not cache_bytes / tokens_held")
+    cfg = get_preset("target")
+    want = kv_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1, 1, ELEMENT_BYTES[r["cache"]])
+    if not math.isclose(r["bytes_per_token_formula"], want, rel_tol=1e-9):
+        raise CheckFailed(f"cache {r['cache']!r}: bytes_per_token_formula is {r['bytes_per_token_formula']}, "
+                          f"task 1's formula gives {want} for one token of the target")
+    if not want <= r["bytes_per_token_measured"] <= 2 * want:
+        raise CheckFailed(f"cache {r['cache']!r}: {r['bytes_per_token_measured']:.1f} bytes per token measured, "
+                          f"against {want} of keys and values; count only the tokens the cache holds")
+    if r["conversations"] != conversations(r["bytes_per_token_measured"]):
+        raise CheckFailed(f"cache {r['cache']!r}: conversations is {r['conversations']}, the budget holds "
+                          f"{conversations(r['bytes_per_token_measured'])} at its measured bytes per token")
+
+
+def named_in(line: str, options: list[str]) -> list[str]:
+    """The options a decision line names, each matched as a whole word."""
+    return [o for o in options if re.search(rf"(?<![\w.]){re.escape(o.lower())}(?![\w.])", line.lower())]
+
+
+def recorded_caches(sub) -> list[dict]:
+    """The cache rows of the recorded footprint, checked for shape, the rule's numbers and their arithmetic."""
+    data = sub.record("kv_footprint")
+    caches = data.get("caches") if isinstance(data, dict) else None
+    if not isinstance(caches, list) or len(caches) < 2:
+        raise CheckFailed("record 'kv_footprint' must be a dict whose 'caches' lists at least two caches")
+    if data.get("context") != DECISION_CONTEXT or data.get("budget_bytes") != DECISION_BUDGET:
+        raise CheckFailed(f"record 'kv_footprint' must keep the rule's context {DECISION_CONTEXT} and budget "
+                          f"{DECISION_BUDGET} bytes, got {data.get('context')!r} and {data.get('budget_bytes')!r}")
+    for i, r in enumerate(caches):
+        check_cache_row(i, r)
+    if len({r["cache"] for r in caches}) != len(caches):
+        raise CheckFailed("record 'kv_footprint' names a cache twice")
+    return caches
+
+
+@check("task 4: the recorded KV footprint has a row per cache, its bytes per token from its own columns",
+       points=1, written=True)
+def footprint_recorded(sub):
+    """Every cache's bytes per token is its bytes over its tokens, at least task 1's formula, within the rule."""
+    recorded_caches(sub)
+
+
+@check("task 4: the decision names the cache that holds the most conversations in the budget, how many, "
+       "and cites its measured bytes per token", points=2, written=True)
+def footprint_decision(sub):
+    """The Decision line names a cache with the most conversations and that number first; the answer cites its
+    measured bytes per token."""
+    caches = recorded_caches(sub)
+    text, line = written_decision(sub, DECISION_TITLE, "a cache and a number of conversations")
+    counts = {r["cache"]: conversations(r["bytes_per_token_measured"]) for r in caches}
+    best = [r for r in caches if counts[r["cache"]] == max(counts.values())]
+    names = [r["cache"] for r in caches]
+    what = f"the most conversations of {DECISION_CONTEXT} tokens in {DECISION_BUDGET // MIB} MiB"
+    named = named_in(line, names)
+    want = next((r for r in best if r["cache"] in named), best[0])   # caches tied at the most are all right
+    expect_named(line, want["cache"], names, what)
+    written = numbers(line)
+    if not written or written[0] != counts[want["cache"]]:
+        got = f"its first number is {written[0]:g}" if written else "it has no number"
+        raise CheckFailed(f"the Decision line must give the conversations before any other number, and {got}; "
+                          f"your own record gives {counts[want['cache']]} for {want['cache']} (from its measured "
+                          "bytes per token, not the formula's)")
+    expect_cited(text, want["bytes_per_token_measured"], f"the {want['cache']} cache's measured bytes per token",
+                 rel=0.01, abs_tol=0.5)
+
+
+def wrong_answers(written) -> list[str]:
+    """Answers a grader must mark down, built from the notebook's own record: every cache that holds fewer
+    conversations, with its own numbers, the right cache with the formula's numbers (where they differ), and the right cache citing bytes
+    per token half as large again."""
+    caches = written.record("kv_footprint")["caches"]
+    counts = {r["cache"]: conversations(r["bytes_per_token_measured"]) for r in caches}
+    best = max(caches, key=lambda r: counts[r["cache"]])
+    texts = [f"\n\nDecision: {r['cache']}, {counts[r['cache']]} conversations\n\nIt measured "
+             f"{r['bytes_per_token_measured']:.1f} bytes per token." for r in caches
+             if counts[r["cache"]] < counts[best["cache"]]]
+    by_formula = conversations(best["bytes_per_token_formula"])
+    if by_formula != counts[best["cache"]]:
+        texts.append(f"\n\nDecision: {best['cache']}, {by_formula} conversations\n\nThe formula gives "
+                     f"{best['bytes_per_token_formula']:.1f} bytes per token.")
+    return texts + [f"\n\nDecision: {best['cache']}, {counts[best['cache']]} conversations\n\nIt measured "
+                    f"{best['bytes_per_token_measured'] * 1.5:.1f} bytes per token."]

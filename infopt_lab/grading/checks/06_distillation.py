@@ -13,14 +13,25 @@ Conventions the notebook states and these checks hold the student to (N position
   `infopt_lab.distill.distillation_loss` computes given a top-k cache. A float or a 0-d tensor.
   ValueError for weight outside [0, 1] or temperature <= 0.
 - `cache_bytes(n_tokens, k, value_bytes=2, index_bytes=4)` = n_tokens * k * (value_bytes + index_bytes).
+- Task 4, a decision from the student's own measurement: the notebook records, for the bundled target as
+  teacher on fixed validation windows, `lab.record("kept_mass", {"vocab_size": V, "positions": N,
+  "full_bytes_per_position": 2 * V, "rows": [{"k", "mean_kept", "worst_kept", "bytes_per_position"}, ...]})`,
+  k ascending, kept shares as fractions, bytes_per_position = cache_bytes(1, k). The answer under
+  DECISION_TITLE names, on a line `Decision: k = ...`, the smallest recorded k whose mean kept share meets
+  DECISION_FLOOR as the table prints it (the share rounded to 4 decimals, a percent to two), or `none` when no
+  k does; it cites that k's mean kept share (a percent to one decimal or more, or a fraction to three) and its
+  bytes per position (for `none`, the largest k's share). The checks recompute this from the record; they
+  never run the model.
 """
 from __future__ import annotations
 
 import torch
 
 from ...distill import distillation_loss
+from ..answers import cites
 from ..protocol import Tensor
-from . import CheckFailed, as_tensor, check, expect_close, expect_raises, short
+from . import (CheckFailed, as_tensor, check, expect_cited, expect_close, expect_named, expect_raises, short,
+               written_decision)
 
 REL = 1e-4               # both compute in float32 (the reference casts); compared as float64 numbers
 ABS = 1e-6
@@ -165,3 +176,98 @@ def cache_size(sub):
             raise CheckFailed(f"cache_bytes{args} returned {short(got)}, expected an int number of bytes")
         if got != want:
             raise CheckFailed(f"cache_bytes{args} returned {got}, expected {want}")
+
+
+# --- task 4: a decision from the student's own measurement -----------------------------------
+
+DECISION_TITLE = "Your decision (task 4)"
+DECISION_FLOOR = 0.95                  # the least mean share of the teacher's probability the cache keeps
+ROW_KEYS = ("k", "mean_kept", "worst_kept", "bytes_per_position")
+SLACK = 1e-6                           # float sums of probabilities may pass 1, or a larger k's mean, by this
+
+
+def number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def recorded_kept(sub) -> tuple[dict, list[dict]]:
+    """The record 'kept_mass' and its rows, checked for shape and for agreeing with itself."""
+    data = sub.record("kept_mass")
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or len(rows) < 2:
+        raise CheckFailed("record 'kept_mass' must be a dict whose 'rows' lists at least two values of k")
+    V = data.get("vocab_size")
+    if not isinstance(V, int) or isinstance(V, bool) or V < 2 or data.get("full_bytes_per_position") != 2 * V:
+        raise CheckFailed("record 'kept_mass' needs vocab_size (an int) and full_bytes_per_position = 2 * vocab_size")
+    if not isinstance(data.get("positions"), int) or data["positions"] < 1:
+        raise CheckFailed("record 'kept_mass' needs positions, the number of positions measured")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or any(key not in r or not number(r[key]) for key in ROW_KEYS):
+            raise CheckFailed(f"row {i} of record 'kept_mass' needs numbers for {', '.join(ROW_KEYS)}: {short(r)}")
+        if not isinstance(r["k"], int) or not 1 <= r["k"] <= V:
+            raise CheckFailed(f"row {i} of record 'kept_mass' has k = {r['k']!r}, not an int in 1..{V}")
+        if not 0 <= r["worst_kept"] <= r["mean_kept"] + SLACK or r["mean_kept"] > 1 + SLACK:
+            raise CheckFailed(f"row k={r['k']} of record 'kept_mass' needs 0 <= worst_kept <= mean_kept <= 1 "
+                              f"(shares as fractions): {short(r)}")
+        if r["bytes_per_position"] != r["k"] * 6:
+            raise CheckFailed(f"row k={r['k']}: bytes_per_position is {r['bytes_per_position']}, but cache_bytes(1, "
+                              f"{r['k']}) is {r['k'] * 6} (k fp16 values and k int32 ids)")
+    for a, b in zip(rows, rows[1:]):
+        if b["k"] <= a["k"]:
+            raise CheckFailed("the rows of record 'kept_mass' must list k in ascending order, each once")
+        if b["mean_kept"] < a["mean_kept"] - SLACK or b["worst_kept"] < a["worst_kept"] - SLACK:
+            raise CheckFailed(f"top-{b['k']} keeps less than top-{a['k']} in record 'kept_mass'; the top k+1 "
+                              "entries hold all the top k hold")
+    return data, rows
+
+
+def reference_k(rows: list[dict], floor: float = DECISION_FLOOR) -> dict | None:
+    """The row of the smallest k whose mean kept share meets the floor as printed (4 decimals), or None."""
+    return next((r for r in rows if round(r["mean_kept"], 4) >= floor), None)
+
+
+@check("task 4: the recorded kept shares agree with themselves and with cache_bytes", points=1, written=True)
+def kept_recorded(sub):
+    """k ascending within the vocabulary, shares in [0, 1] that do not fall as k grows, 6 bytes per entry."""
+    recorded_kept(sub)
+
+
+def expect_share_cited(text: str, share: float, what: str) -> None:
+    """CheckFailed unless the answer writes the share as a percent (one decimal or more) or a fraction (three)."""
+    if not (cites(text, 100 * share, 0.0, 0.051) or cites(text, share, 0.0, 0.00051)):
+        raise CheckFailed(f"the answer does not cite {what} ({100 * share:.2f}% from your own record, as a percent "
+                          "to one decimal or more)")
+
+
+@check("task 4: the decision names the smallest k that keeps 95% of the teacher's probability on the recorded "
+       "windows, and cites its share and its bytes", points=2, written=True)
+def kept_decision(sub):
+    """The Decision line names the reference k (or none); the answer cites its mean share and bytes per position."""
+    _, rows = recorded_kept(sub)
+    text, line = written_decision(sub, DECISION_TITLE, "k")
+    best = reference_k(rows)
+    options = ["none", *(str(r["k"]) for r in rows)]
+    floor = f"a mean kept share of at least {DECISION_FLOOR:.2%}"
+    if best is None:
+        expect_named(line, "none", options, f"{floor} (no recorded k reaches it)")
+        expect_share_cited(text, rows[-1]["mean_kept"], f"the largest k's mean kept share (top-{rows[-1]['k']})")
+        return
+    expect_named(line, str(best["k"]), options, f"the smallest k with {floor}")
+    expect_share_cited(text, best["mean_kept"], f"top-{best['k']}'s mean kept share")
+    expect_cited(text, best["bytes_per_position"], f"top-{best['k']}'s bytes per position", rel=0.0, abs_tol=0.5)
+
+
+def wrong_answers(written) -> list[str]:
+    """Answers a grader must mark down, built from the notebook's own record: every other k with its own share
+    and bytes, and the right k with a share nine tenths as large, or with twice its bytes."""
+    rows = written.record("kept_mass")["rows"]
+    best = reference_k(rows)
+
+    def answer(name: str, share: float, nbytes: int) -> str:
+        return f"\n\nDecision: k = {name}\n\nIt keeps {100 * share:.2f}% on average, {nbytes:,} bytes per position."
+    wrong = [answer(str(r["k"]), r["mean_kept"], r["bytes_per_position"]) for r in rows if r is not best]
+    if best is None:
+        return wrong + [answer("none", rows[-1]["mean_kept"] * 0.9, rows[-1]["bytes_per_position"])]
+    return wrong + ([answer("none", rows[-1]["mean_kept"], rows[-1]["bytes_per_position"]),
+                     answer(str(best["k"]), best["mean_kept"] * 0.9, best["bytes_per_position"]),
+                     answer(str(best["k"]), best["mean_kept"], 2 * best["bytes_per_position"])])
