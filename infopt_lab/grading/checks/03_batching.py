@@ -13,6 +13,16 @@ Conventions the notebook states and these checks hold the student to:
   given `replay_allocator(num_blocks, block_size, ops)`; a sequence holds ceil(tokens / block_size)
   blocks; errors: ValueError (allocate twice), RuntimeError (not enough free blocks, nothing changes),
   KeyError (unknown sequence).
+- `preempting_schedule_step(running, waiting, max_slots, token_budget, kv_capacity)`: task 2's step; requests
+  also carry "generated" and "preempted" (0 on arrival). After retiring, while sum(prompt_len + generated + 1)
+  over running exceeds kv_capacity, the newest running request goes to the front of waiting as a new dict with
+  prompt_len += generated, generated = 0, preempted += 1; admission also needs prompt_len + 1 within the KV
+  left free. Compared field by field with `reference_preempting_step`.
+- Task 5 decides from the student's own run: "kv_policies" records one seeded workload served by the given
+  `serve_with_kv` with preemption and with reservation (`reference_reserving_step`) at TIGHT and LOOSE tokens
+  of KV. Steps are counted, not timed, so the record check serves the recorded workload again with the
+  reference steps and wants the same numbers. The `Decision:` line under DECISION_TITLE names the policy with
+  fewer steps at TIGHT (equal steps: reservation, which recomputes nothing); the answer cites both step counts.
 """
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ import random
 from ...batching import continuous_schedule_step as reference_step
 from ...batching import simulate
 from ...batching import static_batch_utilization as reference_utilization
-from . import CheckFailed, check, expect_close, expect_raises, short
+from . import CheckFailed, check, expect_cited, expect_close, expect_named, expect_raises, short, written_decision
 
 SEED_MIX = [10, 50, 15, 100, 20, 12, 80, 18]
 
@@ -197,3 +207,194 @@ def hidden_allocator(sub):
             kind = rng.choices(["allocate", "append", "free"], weights=[2, 6, 1])[0]
             ops.append([kind, seq, rng.randint(1, 3 * block_size)] if kind == "allocate" else [kind, seq])
         _replay_case(sub, num_blocks, block_size, ops)
+
+
+# --- task 4: preemption under a KV limit ------------------------------------------------------
+
+REQUEST_KEYS = ("id", "prompt_len", "remaining", "generated", "preempted")
+
+
+def _req(i: int, p: int, g: int, r: int, x: int = 0) -> dict:
+    """Request i with prompt_len p, generated g, remaining r, preempted x times."""
+    return {"id": i, "prompt_len": p, "remaining": r, "generated": g, "preempted": x}
+
+
+def _admit(running: list[dict], waiting: list[dict], max_slots: int, budget: int, room: int, cost) -> list[dict]:
+    """Task 2's admission, a request also needing cost(request) of the `room` tokens of KV still free."""
+    while waiting and len(running) < max_slots and waiting[0]["prompt_len"] <= budget and cost(waiting[0]) <= room:
+        request = waiting.pop(0)
+        budget, room = budget - request["prompt_len"], room - cost(request)
+        running.append(request)
+    return running
+
+
+def reference_preempting_step(running: list[dict], waiting: list[dict], max_slots: int, token_budget: int,
+                              kv_capacity: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """Task 2's step under a KV limit: retire, preempt the newest while this step's KV does not fit, admit."""
+    retired = [r for r in running if r["remaining"] == 0]
+    running = [r for r in running if r["remaining"] > 0]
+    held = sum(r["prompt_len"] + r["generated"] + 1 for r in running)      # KV once this step's token is in
+    preempted = []
+    while held > kv_capacity:
+        victim = running.pop()
+        held -= victim["prompt_len"] + victim["generated"] + 1
+        preempted.insert(0, {**victim, "prompt_len": victim["prompt_len"] + victim["generated"], "generated": 0,
+                             "preempted": victim["preempted"] + 1})
+    waiting = preempted + list(waiting)
+    running = _admit(running, waiting, max_slots, token_budget - len(running), kv_capacity - held,
+                     lambda r: r["prompt_len"] + 1)
+    return running, waiting, retired
+
+
+def reference_reserving_step(running: list[dict], waiting: list[dict], max_slots: int, token_budget: int,
+                             kv_capacity: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """The notebook's given reservation step: admit only when prompt + whole output fit what is not reserved."""
+    retired = [r for r in running if r["remaining"] == 0]
+    running = [r for r in running if r["remaining"] > 0]
+    reserved = sum(r["prompt_len"] + r["generated"] + r["remaining"] for r in running)
+    waiting = list(waiting)
+    running = _admit(running, waiting, max_slots, token_budget - len(running), kv_capacity - reserved,
+                     lambda r: r["prompt_len"] + r["remaining"])
+    return running, waiting, retired
+
+
+def reference_serve(step, prompt_lens, lengths, max_slots, token_budget, kv_capacity) -> tuple[int, int, int]:
+    """What the notebook's `serve_with_kv` returns: (steps, preemptions, recomputed tokens)."""
+    waiting = [_req(i, p, 0, n) for i, (p, n) in enumerate(zip(prompt_lens, lengths))]
+    running, finished, steps, prefilled = [], [], 0, 0
+    while True:
+        before = {r["id"] for r in running}
+        running, waiting, retired = step(running, waiting, max_slots, token_budget, kv_capacity)
+        finished += retired
+        if not running:
+            if waiting:
+                raise CheckFailed("the recorded workload cannot be served: a request never fits the KV or the budget")
+            return steps, sum(r["preempted"] for r in finished), prefilled - sum(prompt_lens)
+        prefilled += sum(r["prompt_len"] for r in running if r["id"] not in before)
+        steps += 1
+        for r in running:
+            r["remaining"], r["generated"] = r["remaining"] - 1, r["generated"] + 1
+
+
+def _kv_compare(args: tuple, got) -> None:
+    """CheckFailed unless `got` lists the reference's requests, field by field, in each of the three lists."""
+    running, waiting, slots, budget, capacity = args
+    shown = [[(r["id"], r["prompt_len"], r["generated"], r["remaining"], r["preempted"]) for r in q] for q in args[:2]]
+    where = (f"with running {shown[0]}, waiting {shown[1]} as (id, prompt_len, generated, remaining, preempted), "
+             f"max_slots={slots}, token_budget={budget}, kv_capacity={capacity}")
+    if not isinstance(got, list) or len(got) != 3:
+        raise CheckFailed(f"preempting_schedule_step returned {short(got)}, expected (running, waiting, retired)")
+    want = reference_preempting_step(running, waiting, slots, budget, capacity)
+    for label, g, w in zip(("running", "waiting", "retired"), got, want):
+        if _ids(g) != _ids(w):
+            raise CheckFailed(f"{where}: {label} ids {_ids(g)}, expected {_ids(w)}")
+        for r, expected in zip(g, w):
+            key = next((k for k in REQUEST_KEYS if r.get(k) != expected[k]), None)
+            if key:
+                raise CheckFailed(f"{where}: request {r['id']} in {label} has {key} {short(r.get(key))}, "
+                                  f"expected {expected[key]}")
+
+
+NOTEBOOK_KV_STEP = ([_req(0, 6, 4, 0), _req(1, 5, 6, 3), _req(2, 8, 2, 5)], [_req(3, 4, 0, 2)], 4, 16, 20)
+
+
+@check("preempting_schedule_step on the notebook's step", points=2)
+def notebook_kv_step(sub):
+    _kv_compare(NOTEBOOK_KV_STEP, sub.call("preempting_schedule_step", *NOTEBOOK_KV_STEP))
+
+
+@check("preempting_schedule_step on hidden states: several preempted, KV exactly full, a lone request "
+       "preempted, no overtaking", points=3)
+def hidden_kv_steps(sub):
+    rng = random.Random(29)
+    cases = [([_req(0, 4, 2, 2)], [_req(1, 1, 0, 1)], 3, 9, 7),                               # exactly full
+             ([_req(0, 5, 3, 1), _req(1, 4, 2, 2, 1), _req(2, 3, 1, 3)], [_req(3, 1, 0, 1)], 4, 20, 10),  # two go
+             ([_req(0, 10, 5, 0), _req(1, 3, 1, 2)], [], 2, 9, 6),                             # retiring frees KV
+             ([_req(0, 8, 3, 2)], [_req(1, 1, 0, 1)], 2, 20, 10),                               # a lone one goes
+             ([], [_req(0, 9, 0, 1), _req(1, 1, 0, 1)], 4, 20, 9),                              # KV blocks the front
+             ([_req(0, 2, 0, 3), _req(1, 2, 0, 3)], [_req(2, 1, 0, 1)], 3, 3, 5)]               # a preempted one too
+    for k in range(16):                                     # odd k: KV short of this step's tokens; even: room
+        n_run, n_wait = rng.randint(0, 6), rng.randint(0, 6)
+        reqs = [_req(i, rng.randint(1, 12), 0 if i >= n_run else rng.randint(0, 9),
+                     rng.randint(int(i >= n_run), 4), rng.choice([0, 0, 0, 1, 2])) for i in range(n_run + n_wait)]
+        held = sum(r["prompt_len"] + r["generated"] + 1 for r in reqs[:n_run] if r["remaining"])
+        room = rng.randint(-15, 0) if k % 2 else rng.randint(0, 40)
+        cases.append((reqs[:n_run], reqs[n_run:], n_run + rng.randint(0, 3), rng.randint(4, 40), max(1, held + room)))
+    for args, got in zip(cases, sub.call_many("preempting_schedule_step", cases)):
+        _kv_compare(args, got)
+
+
+# --- task 5: a decision from the student's own run ------------------------------------------------
+
+DECISION_TITLE = "Your decision (task 5)"
+TIGHT, LOOSE = 400, 2400                                    # tokens of KV, as the notebook states
+POLICIES = {"preemption": reference_preempting_step, "reservation": reference_reserving_step}
+ROW_KEYS = ("kv_capacity", "policy", "steps", "preemptions", "recomputed_tokens")
+
+
+def recorded_rows(sub) -> tuple[dict, dict]:
+    """The record and its rows by (kv_capacity, policy), checked for shape: TIGHT and LOOSE, both policies."""
+    data = sub.record("kv_policies")
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise CheckFailed("record 'kv_policies' must be a dict with prompt_lens, lengths, max_slots, "
+                          "token_budget and rows")
+    prompts, lengths = data.get("prompt_lens"), data.get("lengths")
+    whole = [v for v in (prompts or []) + (lengths or []) + [data.get("max_slots"), data.get("token_budget")]
+             if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 4096]
+    if not (isinstance(prompts, list) and isinstance(lengths, list) and 1 <= len(prompts) == len(lengths) <= 256
+            and len(whole) == 2 * len(prompts) + 2 and sum(lengths) <= 20000):
+        raise CheckFailed("record 'kv_policies' needs prompt_lens and lengths (1 to 256 each, whole numbers in "
+                          "1..4096, at most 20000 output tokens), max_slots and token_budget")
+    rows = {}
+    for r in data["rows"]:
+        if not isinstance(r, dict) or any(k not in r for k in ROW_KEYS):
+            raise CheckFailed(f"each row of record 'kv_policies' needs {', '.join(ROW_KEYS)}; got {short(r)}")
+        rows[(r["kv_capacity"], r["policy"])] = r
+    want = {(c, p) for c in (TIGHT, LOOSE) for p in POLICIES}
+    if set(rows) != want or len(data["rows"]) != len(want):
+        raise CheckFailed(f"record 'kv_policies' needs one row per policy ({', '.join(POLICIES)}) at each "
+                          f"kv_capacity, {TIGHT} and {LOOSE}; got {sorted(rows, key=str)}")
+    return data, rows
+
+
+@check("task 5: the recorded steps, preemptions and recomputed tokens are what the workload gives", points=1,
+       written=True)
+def kv_policies_recorded(sub):
+    """Each recorded row equals the reference scheduler's, serving the recorded workload again (no timing)."""
+    data, rows = recorded_rows(sub)
+    for (capacity, policy), row in sorted(rows.items(), key=str):
+        want = reference_serve(POLICIES[policy], data["prompt_lens"], data["lengths"], data["max_slots"],
+                               data["token_budget"], capacity)
+        got = tuple(row[k] for k in ROW_KEYS[2:])
+        if got != want:
+            raise CheckFailed(f"at kv_capacity {capacity}, {policy}: the record says steps, preemptions, recomputed "
+                              f"tokens = {got}; the reference steps give {want} on the recorded workload")
+
+
+def reference_choice(rows: dict) -> str:
+    """The policy with fewer steps at TIGHT; reservation on equal steps (it recomputes nothing)."""
+    return "preemption" if rows[TIGHT, "preemption"]["steps"] < rows[TIGHT, "reservation"]["steps"] else "reservation"
+
+
+@check(f"task 5: the decision names the policy with fewer steps at {TIGHT} tokens of KV, and cites both step "
+       "counts", points=2, written=True)
+def kv_policy_decision(sub):
+    """The answer's Decision line names the reference choice, and the answer writes both policies' steps."""
+    _, rows = recorded_rows(sub)
+    text, line = written_decision(sub, DECISION_TITLE, "a policy")
+    expect_named(line, reference_choice(rows), list(POLICIES), f"fewer steps at {TIGHT} tokens of KV")
+    for policy in POLICIES:
+        expect_cited(text, rows[(TIGHT, policy)]["steps"], f"{policy}'s steps at {TIGHT} tokens of KV",
+                     rel=0.0, abs_tol=0.0)
+
+
+def wrong_answers(written) -> list[str]:
+    """Marked down, from the notebook's own record: the other policy; the right one with wrong step counts."""
+    rows = {(r["kv_capacity"], r["policy"]): r for r in written.record("kv_policies")["rows"]}
+    best, other = sorted(POLICIES, key=lambda p: p != reference_choice(rows))
+
+    def answer(choice: str, capacity: int, scale: float = 1.0) -> str:
+        steps = {p: round(rows[(capacity, p)]["steps"] * scale) for p in POLICIES}
+        return (f"\n\nDecision: {choice}\n\nAt {TIGHT} tokens of KV, preemption takes {steps['preemption']} steps "
+                f"and reservation {steps['reservation']}.")
+    return [answer(other, TIGHT), answer(best, LOOSE), answer(best, TIGHT, 1.5)]

@@ -150,5 +150,5 @@ def expect_cited(text: str, value: float, what: str, rel: float = 0.01, abs_tol:
     """CheckFailed unless the answer writes `value` (to within rounding) as the number behind the decision."""
     from ..answers import cites
     if not cites(text, value, rel, abs_tol):
-        raise CheckFailed(f"the answer does not cite {what} ({value:.4g} from your own record, to "
-                          f"{rel:.0%} or {abs_tol:g})")
+        within = "exactly" if rel == 0 and abs_tol == 0 else f"to {rel:.0%} or {abs_tol:g}"
+        raise CheckFailed(f"the answer does not cite {what} ({value:.4g} from your own record, {within})")
