@@ -45,3 +45,27 @@ def test_prices_and_gpu_estimates():
     memory_bound = gpu_estimate(1e9, 1, bandwidth_gbs=1000, peak_tflops=1000)
     assert memory_bound == pytest.approx(1000 / 2)                          # 2 GB of bf16 weights per step
     assert gpu_estimate(1e9, 10_000, 1000, 1000) < 10_000 * memory_bound     # compute-bound at a huge batch
+
+
+def test_ablation_removes_one_choice_at_a_time_and_the_smaller_model_is_scored_against_the_full_one():
+    import infopt_lab as lab
+    from infopt_lab.bench.ablation import ABLATIONS, ablation, smaller_model_rung
+    from infopt_lab.bench.ladder import served_by_engine
+    from infopt_lab.workloads import agentic_workload
+    model, tok = lab.load_model("target")
+    small, _ = lab.load_model("draft")
+    w = agentic_workload(tok, sessions=2, turns=1, system_tokens=48, new_tokens=4)
+    reference = served_by_engine("ref", lab.Engine(model, tok, max_batch_size=4, max_model_len=w.max_seq_tokens),
+                                 w).token_ids
+    rows = ablation(model, tok, w, reference, int8_delta=1.5)
+    assert [r.name for r in rows] == ["all combined"] + [f"without {name}" for name in ABLATIONS]
+    combined, no_int8, no_spec, no_prefix, batch8 = rows
+    assert "int8 weights, int8 KV" in combined.settings and "cascade attention" in combined.settings
+    assert "fp32 weights, fp32 KV" in no_int8.settings and no_int8.ppl_delta_pct == 0.0
+    assert no_int8.exact_match == 1.0                  # fp32, greedy, scheduling only: the reference's tokens
+    assert "speculation" not in no_spec.settings and no_spec.ppl_delta_pct == 1.5
+    assert "prefix caching" not in no_prefix.settings and "cascade" not in no_prefix.settings
+    assert batch8.settings.startswith("engine, batch 8") and combined.settings.startswith("engine, batch 16")
+    row = smaller_model_rung(model, small, tok, w, reference, ppl_tokens=256, max_batch_size=4)
+    assert row.settings.startswith(f"{small.num_parameters() / 1e6:.1f}M parameters instead of")
+    assert row.ppl_delta_pct > 0 and 0 <= row.exact_match <= 1

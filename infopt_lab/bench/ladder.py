@@ -155,12 +155,12 @@ def run_ladder(model_name: str = "smollm2-135m", sessions: int = 16, turns: int 
         engine = Engine(m, tok, max_batch_size=batch, max_model_len=w.max_seq_tokens, **kw)
         engine.generate(["def f(x):"], max_new_tokens=2)                                  # warm up
         memory = state_dict_bytes(m) + engine.cache.nbytes
-        rungs.append(rung(served_by_engine(name, engine, w), memory, delta, reference, _settings(m, batch, kw)))
+        rungs.append(rung(served_by_engine(name, engine, w), memory, delta, reference, engine_settings(m, batch, kw)))
         say(rung_line(rungs[-1]))
     return rungs, w
 
 
-def _settings(model, batch: int, kw: dict) -> str:
+def engine_settings(model, batch: int, kw: dict) -> str:
     """An engine rung's configuration in words."""
     from ..quantize import QuantLinear
     parts = [f"engine, batch {batch}", "int8 weights" if any(isinstance(m, QuantLinear) for m in model.modules())
