@@ -46,11 +46,9 @@ def smaller_model_rung(model, small, tok, workload, reference: list[list[int]], 
                        max_batch_size: int = 8) -> Rung:
     """A smaller model (same tokenizer) served with continuous batching: its perplexity change is the one
     against the full model on the same validation tokens."""
-    from ..kv_cache import KVCache
-    from .quant import cached_perplexity
-    seq_len = min(512, ppl_tokens)
-    base = cached_perplexity(model, tok, KVCache.for_model, ppl_tokens, seq_len)
-    delta = 100 * (cached_perplexity(small, tok, KVCache.for_model, ppl_tokens, seq_len) / base - 1)
+    from ..quality import perplexity
+    base = perplexity(model, tok, max_tokens=ppl_tokens)
+    delta = 100 * (perplexity(small, tok, max_tokens=ppl_tokens) / base - 1)
     row = _serve("a smaller model, continuous batching", small, tok, workload, reference, delta, max_batch_size, {})
     row.settings = f"{small.num_parameters() / 1e6:.1f}M parameters instead of {model.num_parameters() / 1e6:.1f}M; {row.settings}"
     return row
