@@ -30,13 +30,13 @@ def test_greedy_speculative_equals_target_greedy(pair, stop_at_eos):
     target, draft, tok = pair
     assert len(PROMPTS) == 20
     for prompt in PROMPTS:
-        want = lab.generate(target, tok, prompt, max_new_tokens=128, stop_at_eos=stop_at_eos).token_ids
+        want = lab.generate(target, tok, prompt, max_new_tokens=64, stop_at_eos=stop_at_eos).token_ids
         ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
         for k in (1, 2, 4, 8):
-            out = sp.speculative_generate(target, draft, ids, max_new_tokens=128, k=k, stop_at_eos=stop_at_eos)
+            out = sp.speculative_generate(target, draft, ids, max_new_tokens=64, k=k, stop_at_eos=stop_at_eos)
             assert out.token_ids == want, (prompt, k)
             assert out.target_forwards == len(out.rounds) + 1          # one pass per round, plus the prefill
-        look = sp.prompt_lookup_generate(target, ids, max_new_tokens=128, k=4, stop_at_eos=stop_at_eos)
+        look = sp.prompt_lookup_generate(target, ids, max_new_tokens=64, k=4, stop_at_eos=stop_at_eos)
         assert look.token_ids == want, prompt
 
 

@@ -47,8 +47,9 @@ def smaller_model_rung(model, small, tok, workload, reference: list[list[int]], 
     """A smaller model (same tokenizer) served with continuous batching: its perplexity change is the one
     against the full model on the same validation tokens."""
     from ..quality import perplexity
-    base = perplexity(model, tok, max_tokens=ppl_tokens)
-    delta = 100 * (perplexity(small, tok, max_tokens=ppl_tokens) / base - 1)
+    seq_len = min(512, ppl_tokens, model.config.max_seq_len, small.config.max_seq_len)
+    base = perplexity(model, tok, seq_len=seq_len, max_tokens=ppl_tokens)
+    delta = 100 * (perplexity(small, tok, seq_len=seq_len, max_tokens=ppl_tokens) / base - 1)
     row = _serve("a smaller model, continuous batching", small, tok, workload, reference, delta, max_batch_size, {})
     row.settings = f"{small.num_parameters() / 1e6:.1f}M parameters instead of {model.num_parameters() / 1e6:.1f}M; {row.settings}"
     return row
