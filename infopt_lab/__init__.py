@@ -23,7 +23,7 @@ from .records import record
 from .quality import Evaluation, bits_per_byte, evaluate, perplexity
 from .quantize import (QuantEmbedding, QuantLinear, WeightBytes, dequantize, pack_int4, quantization_error,
                        quantize_asymmetric, quantize_linear, quantize_model, quantize_symmetric, state_dict_bytes,
-                       unpack_int4, weight_bytes)
+                       unpack_int4, use_q8_kernel, weight_bytes)
 from .sampling import SamplingParams, check_request, draw, logits_to_probs, sample
 from .speculative import expected_tokens_per_pass, prompt_lookup_generate, speculative_generate
 from .timing import Timer, measure_bandwidth_gbs, measure_matmul_flops, measure_roofline, time_fn, time_interleaved
@@ -56,7 +56,7 @@ __all__ = [
     "Evaluation", "evaluate", "perplexity", "bits_per_byte",
     # quantization
     "QuantLinear", "dequantize", "pack_int4", "quantization_error", "quantize_asymmetric", "quantize_linear",
-    "quantize_model", "quantize_symmetric", "state_dict_bytes", "unpack_int4", "QuantEmbedding", "WeightBytes",
+    "quantize_model", "quantize_symmetric", "state_dict_bytes", "use_q8_kernel", "unpack_int4", "QuantEmbedding", "WeightBytes",
     "weight_bytes",
     # attention (flash_attention and attention_path load Triton on first use)
     "attention_reference", "attention_tiled", "flash_attention", "attention_path",

@@ -7,6 +7,10 @@ tiled bf16 GEMMs over the integers instead; on CUDA, int8 runs the same int8 ker
 kernel. Everywhere else, and for calls of more rows than a kernel takes, the fallback: dequantize to a
 float copy, then F.linear. `choose_kernels` probes what runs once, when a layer is made or moved, and
 returns a `KernelChoice`: the paths by rows per call, and why the layer falls back if it does.
+
+One path is the course's own and is chosen only when asked for (`quantize.use_q8_kernel`): cpu_q8.Q8Kernel, the
+hand-written CPU kernel of kernels/q8_dot.c, which quantizes the activations to int8 as llama.cpp does and
+so computes other numbers than the PyTorch kernels (the same integers, activations rounded differently).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ INT4_KERNEL = "aten._weight_int4pack_mm_for_cpu"    # int4 weights x bf16 activa
 DEQUANT_MATMUL = "dequantize+matmul"                # the fallback: a float copy of W, then F.linear
 TRITON_INT4 = "triton int4 dequantize-matmul"
 INT8_GEMM = "bf16 GEMMs over the int8 integers"     # a row band of the int8 path on a CPU, not a layer's path
+Q8_KERNEL = "hand-written int8-activation kernel"  # kernels/q8_dot.c: int4 or int8 weights x int8 activations
 # Up to how many rows (tokens) a call runs a weight-only kernel; more dequantize (a float copy of the whole
 # weight per call) and run one float matmul, which catches up on long prefills. These limits change results,
 # not only speed: below them activations are rounded to bf16, above them the matmul computes in the model's
@@ -296,7 +301,7 @@ def int4_cpu_paths(layer, device: torch.device, dtype: torch.dtype) -> tuple[tup
 
 PATHS = {INT8_KERNEL: int8_paths, INT4_KERNEL: int4_cpu_paths,
          TRITON_INT4: lambda layer, device, dtype: ((TritonInt4(),), dtype),
-         DEQUANT_MATMUL: lambda layer, device, dtype: ((), dtype)}
+         DEQUANT_MATMUL: lambda layer, device, dtype: ((), dtype)}   # and Q8_KERNEL, which cpu_q8 adds
 
 
 def kernel_choice(layer, path: str, device: torch.device | str, dtype: torch.dtype,

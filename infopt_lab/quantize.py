@@ -21,7 +21,8 @@ from .quant_format import QuantEmbedding, dequantize, pack_int4, unpack_int4   #
                                                                                 # embedding that reads a head's)
 from .quant_format import (INT4_KERNEL_GROUPS, int4_kernel_group,  # noqa: F401  (re-exported: their old home)
                            pack_int4_for_cpu_kernel)
-from .quant_kernels import DEQUANT_MATMUL, INT4_KERNEL, INT8_KERNEL, KernelChoice, choose_kernels, kernel_choice
+from .quant_kernels import (DEQUANT_MATMUL, INT4_KERNEL, INT8_KERNEL, Q8_KERNEL, KernelChoice, choose_kernels,
+                            kernel_choice)
 from .quant_kernels import (INT4_KERNEL_MAX_ROWS, INT8_GEMM_MIN_ROWS, INT8_GEMM_MIN_ROWS_TILED,  # noqa: F401
                             INT8_GEMM_TILE, INT8_KERNEL_MAX_ROWS, TRITON_INT4, cpu_kernels_fast,  # (re-exported:
                             int4_kernel_works, int8_kernel_works)                                 # their old home)
@@ -319,6 +320,32 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
     if untied and getattr(config, "tie_embeddings", False):
         config.tie_embeddings = False                             # the copy's own config: the head is its own now
     return new
+
+
+def use_q8_kernel(model: nn.Module) -> int:
+    """Switch a quantized model's layers on a CPU to the hand-written int8-activation kernel (cpu_q8.Q8Kernel).
+
+    Calls of up to cpu_q8.Q8_MAX_ROWS rows (decode steps) run kernels/q8_dot.c: activations quantized to int8 in blocks
+    of 32, as llama.cpp does, so its tokens are measured against the PyTorch kernels', not promised equal.
+    Longer calls keep the PyTorch paths. In place; returns how many layers switched (a layer whose shape the
+    kernel cannot take keeps its path). Raises ValueError where the kernel cannot run here, saying why.
+    """
+    from . import cpu_q8
+    validate.instance("model", model, nn.Module, "a quantized model (from lab.quantize_model)")
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    layers += [m.fused.layer for m in model.modules() if isinstance(getattr(m, "fused", None), QuantFusion)]
+    if not layers:
+        raise ValueError("model has no quantized layer: quantize it first (lab.quantize_model)")
+    if cpu_q8.why_not() is not None:
+        raise ValueError(f"the hand-written kernel cannot run here: {cpu_q8.why_not()}")
+    switched = 0
+    for layer in layers:
+        try:
+            layer.kernels = kernel_choice(layer, Q8_KERNEL, layer.weight_q.device, layer.dtype)
+            switched += 1
+        except ValueError:                                    # this layer's shape: it keeps its path
+            pass
+    return switched
 
 
 def state_dict_bytes(module: nn.Module) -> int:

@@ -146,15 +146,19 @@ def test_smollm2_compiled_follows_the_rule():
 def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cpp(monkeypatch):
     from infopt_lab.bench import overhead
     monkeypatch.setattr(overhead, "llama_cpp_missing", lambda: "llama-cpp-python is not installed: pip install x")
+    from infopt_lab.cpu_q8 import available
+    q8 = ("int8" + overhead.Q8,) if available() else ()
     r = overhead.bench_overhead("target", against="llama.cpp", new_tokens=4, repeats=1, engine_batch=2,
-                                precisions=("fp32", "int8"))
+                                precisions=("fp32", "int8", *q8))
     text = r.render()
-    for name in ("fp32", "int8"):
+    for name in ("fp32", "int8", *q8):
         assert r.values[name]["tokens_per_s"] > 0 and r.values[f"{name} compiled"]["streamed_bytes"] > 0
         assert r.values[name]["compiled_speedup"] > 0
     assert r.values["int8"]["streamed_bytes"] < r.values["fp32"]["streamed_bytes"] / 3
     assert "llama-cpp-python is not installed: pip install x" in text and "llama.cpp" not in r.values
     assert r.values["engine_int8_compiled"]["scaling"] > 0 and set(r.values["int8_rows_cost"]) == {1, 2}
+    assert set(r.values["q8_rows_cost"]) == ({"int8"} if q8 else set())
+    assert all(v > 0 for ratios in r.values["q8_rows_cost"].values() for v in ratios.values())
     monkeypatch.setattr(overhead, "llama_cpp_missing", lambda: None)
     with pytest.raises(ValueError, match="GGUF"):
         overhead.bench_overhead("target", against="llama.cpp", new_tokens=2, repeats=1, engine_batch=0)

@@ -21,7 +21,7 @@ import torch
 from ..device import get_device
 from ..generate import generate
 from ..loading import load_model
-from ..quantize import quantize_model, weight_bytes
+from ..quantize import quantize_model, use_q8_kernel, weight_bytes
 from ..timing import interleaved_runs, matvec_bandwidth_gbs, measure_bandwidth_gbs
 from .decode import DEFAULT_PROMPT, decode_throughput
 from .result import Result
@@ -94,12 +94,20 @@ def rows_cost(layer, rows: tuple[int, ...], repeats: int = 20) -> dict[int, floa
 
 
 # -- the rung --------------------------------------------------------------------------------------------
-PRECISIONS = ("fp32", "bf16", "int8", "int4 g64")
+Q8 = " (q8 kernel)"             # the same integers through the hand-written int8-activation kernel (cpu_q8.py)
+PRECISIONS = ("fp32", "bf16", "int8", "int4 g64", "int8" + Q8, "int4 g64" + Q8)
+
+
+def default_precisions() -> tuple[str, ...]:
+    """Every precision, the hand-written kernel's where it runs here."""
+    from ..cpu_q8 import available
+    return PRECISIONS if available() else tuple(p for p in PRECISIONS if not p.endswith(Q8))
 
 
 def contenders(model_name: str, device, precisions: tuple[str, ...] = PRECISIONS) -> dict[str, torch.nn.Module]:
-    """fp32 (always: the baseline), bf16, int8 and int4 g64 models; fp32 loaded twice (compiling re-lays its
-    weights row-major, and the eager baseline keeps the layout it loads with)."""
+    """fp32 (always: the baseline), bf16, int8 and int4 g64 models, and the quantized ones again on the hand-written
+    kernel; fp32 loaded twice (compiling re-lays its weights row-major, and the eager baseline keeps the layout
+    it loads with)."""
     fp32, _ = load_model(model_name, dtype=torch.float32, device=device)
     models = {"fp32": fp32, "fp32 compiled": load_model(model_name, dtype=torch.float32, device=device)[0]}
     if "bf16" in precisions:
@@ -108,6 +116,10 @@ def contenders(model_name: str, device, precisions: tuple[str, ...] = PRECISIONS
         models["int8"] = quantize_model(fp32, "int8")
     if "int4 g64" in precisions:
         models["int4 g64"] = quantize_model(fp32, "int4", group_size=64)
+    for name, scheme, group in (("int8" + Q8, "int8", None), ("int4 g64" + Q8, "int4", 64)):
+        if name in precisions:
+            models[name] = quantize_model(fp32, scheme, group_size=group)
+            use_q8_kernel(models[name])                   # ValueError, saying why, where it cannot run
     return models
 
 
@@ -157,6 +169,23 @@ def engine_rows(r: Result, int8, tok, prompt: str, batch: int) -> dict:
             "engine_int8_compiled": {"batch_1": one, f"batch_{batch}": many, "scaling": many / one}}
 
 
+def q8_rows(r: Result, models: dict, rows: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+    """One MLP product of each quantized model by rows: PyTorch's kernels against the hand-written one."""
+    from ..cpu_q8 import Q8_MAX_ROWS
+    found = {}
+    for name in ("int8", "int4 g64"):
+        if name not in models or name + Q8 not in models:
+            continue
+        mlp = [models[n].layers[0].mlp for n in (name, name + Q8)]
+        cost = [rows_cost(m.fused.layer if m.fused else m.up_proj, rows) for m in mlp]
+        ratio = {n: cost[1][n] / cost[0][n] for n in rows}
+        r.add(f"{name}: q8 kernel / PyTorch's, one MLP product",
+              ", ".join(f"{n} rows {v:.2f}x" for n, v in ratio.items())
+              + f" (the q8 kernel takes calls of up to {Q8_MAX_ROWS[name.split()[0]]} rows)")
+        found[name] = ratio
+    return {"q8_rows_cost": found}
+
+
 def llama_for(model_name: str, against: str | None) -> tuple[LlamaCpp | None, str | None]:
     """llama.cpp on the model's own GGUF file when asked for and installed; else None and why not (or None)."""
     if against != LLAMA_CPP:
@@ -173,10 +202,11 @@ def llama_for(model_name: str, against: str | None) -> tuple[LlamaCpp | None, st
 
 def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None, new_tokens: int = 64,
                    repeats: int = 3, prompt: str = DEFAULT_PROMPT, engine_batch: int = 8,
-                   precisions: tuple[str, ...] = PRECISIONS) -> Result:
+                   precisions: tuple[str, ...] | None = None) -> Result:
     """Eager vs compiled decoding per precision, the memory wall, the engine's compiled batch (int8), and llama.cpp."""
     from ..validate import choice
     choice("against", against, (*AGAINST, None))
+    precisions = default_precisions() if precisions is None else precisions
     for p in precisions:
         choice("precision", p, PRECISIONS)
     device = get_device()
@@ -222,6 +252,7 @@ def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None,
         values["llama_matched_prefix"] = shared
     elif why_not is not None:
         r.add("llama.cpp", why_not)
+    values.update(q8_rows(r, models))
     if engine_batch > 1 and "int8" in models:
         values.update(engine_rows(r, models["int8"], tok, prompt, engine_batch))
     r.values = values

@@ -1,0 +1,238 @@
+"""The hand-written CPU kernel of kernels/q8_dot.c: built at first use, loaded with ctypes, called by compiled steps.
+
+`available()` says whether it runs here, and `why_not()` why not: it needs an x86 CPU with AVX2 and a C
+compiler (`cc`, or $CC). The library is built once per source and CPU into the course's cache
+(`hub.cache_root() / "kernels"`), in about a second, linked to the OpenMP runtime PyTorch already loaded
+so the two share one pool of threads. `q4_linear` and `q8w_linear` compute x @ W^T in fp32 from a layer's
+own buffers; inside `torch.compile` they run as the operators `infopt::q4_linear` and `infopt::q8w_linear`.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .quant_kernels import PATHS, Q8_KERNEL, DerivedOperands, KernelPath, int4_cpu_paths, int8_paths
+
+SOURCE = Path(__file__).parent / "kernels" / "q8_dot.c"
+BLOCK = 32                     # activations per quantization block: K and the int4 group size are multiples of it
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _openmp_flags() -> list[str]:
+    """Link to PyTorch's own libgomp where it ships one, so one OpenMP runtime serves both."""
+    torch_lib = Path(torch.__file__).parent / "lib"
+    gomp = torch_lib / "libgomp.so.1"
+    if gomp.exists():
+        return ["-fopenmp", f"-L{torch_lib}", "-l:libgomp.so.1", f"-Wl,-rpath,{torch_lib}"]
+    return ["-fopenmp"]
+
+
+def _library_path(cc: str) -> Path:
+    from .hub import cache_root
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS, *sorted(cpu_flags()))).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"q8_dot-{key}.so"
+
+
+def _build(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name              # built aside, then moved: a reader never sees half a file
+        cmd = [cc, *FLAGS, str(SOURCE), "-o", str(built), *_openmp_flags(), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-400:]}")
+        os.replace(built, out)
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    """The loaded library, or None and why."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the hand-written kernel is written for x86 AVX2, not {platform.machine()}"
+    if "avx2" not in cpu_flags() or "fma" not in cpu_flags():
+        return None, "this CPU has no AVX2 and FMA"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc, gcc or clang) to build the hand-written kernel"
+    path = _library_path(cc)
+    try:
+        if not path.exists():
+            _build(cc, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"the hand-written kernel did not build: {e}"
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.q8w_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    return lib, None
+
+
+def available() -> bool:
+    """Whether the hand-written kernel runs here (built on first call)."""
+    return _library()[0] is not None
+
+
+def why_not() -> str | None:
+    """Why the hand-written kernel does not run here; None if it does."""
+    return _library()[1]
+
+
+def takes(in_features: int, group_size: int | None = None) -> str | None:
+    """Why the kernel cannot take a layer of this shape (int8: group_size None; int4: its group size); None if it can.
+
+    int8 reads blocks of 32 inputs; int4 pairs of blocks (the nibbles of 32 bytes), in groups of 32 or more."""
+    step = BLOCK if group_size is None else 2 * BLOCK
+    if in_features % step:
+        return f"in_features {in_features} is not a multiple of {step}"
+    if group_size is not None and (group_size % BLOCK or in_features % group_size):
+        return f"group size {group_size} is not a multiple of {BLOCK} dividing {in_features}"
+    return None
+
+
+def _call(name: str, x: Tensor, n_out: int, *args) -> Tensor:
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(why_not())
+    x = x.to(torch.float32).contiguous()                                                  # (rows, K)
+    y = torch.empty(x.shape[0], n_out, dtype=torch.float32)                              # (rows, N)
+    ptrs = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
+    if getattr(lib, name)(x.data_ptr(), x.shape[0], x.shape[1], *ptrs, y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"{name}: no memory for the quantized activations of {x.shape[0]} rows")
+    return y
+
+
+def q4_linear_eager(x: Tensor, weight_q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
+    """x [rows, K] @ W^T for int4 W (packed [N, K/2] uint8, scales fp32 and zeros uint8 [N, K/G]): [rows, N] fp32."""
+    n = weight_q.shape[0]
+    return _call("q4_linear", x, n, weight_q, scales, zeros, n, group_size)
+
+
+def q8w_linear_eager(x: Tensor, weight_q: Tensor, scales: Tensor) -> Tensor:
+    """x [rows, K] @ W^T for int8 W ([N, K] int8, scales fp32 [N]): [rows, N] fp32."""
+    n = weight_q.shape[0]
+    return _call("q8w_linear", x, n, weight_q, scales, n)
+
+
+# The two products as operators of their own, so a compiled graph calls them as it calls PyTorch's kernels:
+# registered for CPU tensors directly (a torch.library.custom_op wrapper would add tens of microseconds a call).
+_OPS = torch.library.Library("infopt", "DEF")
+_OPS.define("q4_linear(Tensor x, Tensor weight_q, Tensor scales, Tensor zeros, int group_size) -> Tensor")
+_OPS.define("q8w_linear(Tensor x, Tensor weight_q, Tensor scales) -> Tensor")
+_OPS.impl("q4_linear", q4_linear_eager, "CPU")
+_OPS.impl("q8w_linear", q8w_linear_eager, "CPU")
+
+
+@torch.library.register_fake("infopt::q4_linear")
+def _(x, weight_q, scales, zeros, group_size):
+    return x.new_empty(x.shape[0], weight_q.shape[0], dtype=torch.float32)
+
+
+@torch.library.register_fake("infopt::q8w_linear")
+def _(x, weight_q, scales):
+    return x.new_empty(x.shape[0], weight_q.shape[0], dtype=torch.float32)
+
+
+def q4_linear(x: Tensor, weight_q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
+    """The int4 product: a direct call in eager mode, the custom op inside torch.compile."""
+    if torch.compiler.is_compiling():
+        return torch.ops.infopt.q4_linear(x, weight_q, scales, zeros, group_size)
+    return q4_linear_eager(x, weight_q, scales, zeros, group_size)
+
+
+def q8w_linear(x: Tensor, weight_q: Tensor, scales: Tensor) -> Tensor:
+    """The int8 product: a direct call in eager mode, the custom op inside torch.compile."""
+    if torch.compiler.is_compiling():
+        return torch.ops.infopt.q8w_linear(x, weight_q, scales)
+    return q8w_linear_eager(x, weight_q, scales)
+
+
+# -- the path a QuantLinear computes with (quant_kernels.KernelChoice) --------------------------------------
+class Q8Kernel(KernelPath):
+    """The hand-written CPU kernel (kernels/q8_dot.c): activations quantized to int8 in blocks of 32,
+    byte products summed 32 at a time, the layer's own integers read as stored. Each row alone: batch-invariant."""
+    name = Q8_KERNEL
+
+    def __init__(self, max_rows: int):
+        super().__init__(0, max_rows)
+        self.scales = DerivedOperands(("scales",), lambda s: s.float().contiguous())     # (N,) or (N, K/G) fp32
+
+    def matmul(self, x2: Tensor, layer) -> Tensor:
+        scales = layer.scales
+        if scales.dtype != torch.float32 or not scales.is_contiguous():     # a bf16 model: an fp32 copy, kept
+            scales = self.scales.get(layer)
+        if layer.scheme == "int8":
+            return q8w_linear(x2, layer.weight_q, scales)
+        return q4_linear(x2, layer.weight_q, scales, layer.zeros, layer.group_size)
+
+    def forget(self) -> None:
+        self.scales.forget()
+
+    def cached_bytes(self) -> int:
+        return self.scales.nbytes()
+
+
+# Up to how many rows a call runs the hand-written kernel; more go to the layer's PyTorch paths. Its cost
+# grows with the rows (each row's byte products are its own work) where PyTorch's kernels share more work
+# between rows: `infopt-lab bench --only overhead` measures both by rows on the CPU it runs on.
+Q8_MAX_ROWS = {"int8": 8, "int4": 8}
+
+
+def q8_paths(layer, device: torch.device, dtype: torch.dtype) -> tuple[tuple[KernelPath, ...], torch.dtype]:
+    """The hand-written kernel for calls of few rows, then the layer's PyTorch paths; ValueError where it cannot run."""
+    if device.type != "cpu":
+        raise ValueError(f"the hand-written kernel runs on a CPU, not {device.type}")
+    reason = why_not() or takes(layer.in_features, layer.group_size if layer.scheme == "int4" else None)
+    if reason is not None:
+        raise ValueError(reason)
+    limit = Q8_MAX_ROWS[layer.scheme]
+    try:
+        rest, compute = (int8_paths if layer.scheme == "int8" else int4_cpu_paths)(layer, device, dtype)
+    except ValueError:                                    # PyTorch's int4 kernel cannot take the shape
+        rest, compute = (), dtype
+    rest = tuple(p for p in rest if p.max_rows is None or p.max_rows > limit)
+    for p in rest:
+        p.min_rows = max(p.min_rows, limit + 1)
+    return (Q8Kernel(limit), *rest), compute
+
+
+
+def reference(x: Tensor, weight: Tensor) -> Tensor:
+    """What the kernel computes, in float64: x's blocks of 32 quantized as the kernel does (in fp32), times W [N, K].
+
+    The quantized activations are the kernel's own integers and scales; the sums are exact here, so kernel and
+    reference differ only by the kernel's fp32 accumulation.
+    """
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)                                    # (rows, K/32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))            # fp32, as the kernel
+    a = torch.round(blocks * inv)                                                         # half to even, as lrintf
+    d = amax / 127.0
+    return (a.double() * d.double()).reshape(x.shape[0], -1) @ weight.double().T
+
+
+PATHS[Q8_KERNEL] = q8_paths      # kernel_choice(layer, Q8_KERNEL, ...) once this module is imported

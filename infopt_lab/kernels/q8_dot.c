@@ -1,0 +1,205 @@
+/* Quantized products for a CPU decode step: int4 or int8 weights against activations quantized to int8.
+ *
+ * The weights stay in the course's format (quant_format.py): int4 two per byte, low nibble first, with a
+ * scale and an integer zero per group of G weights (w = (q - z) * s); int8 with one scale per output row.
+ * Each call first quantizes its activations, row by row, in blocks of 32: d = max|x| / 127, a = round(x / d).
+ * A block's product is then a sum of byte products, which AVX2 computes 32 at a time (_mm256_maddubs_epi16)
+ * instead of converting every weight to a float; the float work is one multiply-add per block.
+ * llama.cpp computes its Q4_1 x Q8_1 and Q8_0 x Q8_0 products the same way.
+ *
+ * Every activation row is quantized and reduced on its own, in the same order whatever the number of rows:
+ * a row's result does not depend on the rows beside it (batch-invariant by construction). The weights are
+ * read from memory once per call: each thread owns a band of output rows and runs every activation row over
+ * a weight row while it is in cache. Built at first use by infopt_lab/cpu_q8.py, for x86 CPUs with AVX2, with
+ * -ffp-contract=off: the compiler may not fuse a multiply and an add differently in the one-row and many-row
+ * code it generates, so the only fused multiply-adds are the ones written here.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#ifndef __AVX2__
+#error "q8_dot.c needs AVX2 and FMA (cpu_q8.py builds it only where the CPU has them)"
+#endif
+
+#define QB 32            /* activations per quantization block */
+#define ROW_TILE 4       /* activation rows computed together over one weight row */
+
+/* Activations of one call, quantized: a [rows, K] int8, and per block of 32 its scale d and d times the sum
+ * of its integers (ds, for the int4 zero points). For int4, each 64 values are stored in the order of the
+ * nibbles of their 32 weight bytes: the even elements of both blocks, then the odd ones; dv holds each
+ * pair of blocks' scales as one vector, the first block's four times, then the second's; and dsg sums ds over
+ * each group of G, so the zero points come off once per group: s z (sum over the group's blocks of d sum(a)). */
+typedef struct {
+    int8_t *a;
+    float *d, *ds, *dv, *dsg;   /* dsg [rows, K/G]: ds summed over each int4 group */
+} Quantized;
+
+static void quantize_rows(const float *x, int64_t rows, int64_t K, int int4_order, Quantized *q) {
+    const int64_t nb = K / QB;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * K + b * QB;
+            float amax = 0.0f;
+            for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *out = q->a + r * K + (b / 2) * 2 * QB;    /* this pair of blocks' 64 bytes */
+            int32_t sum = 0;
+            for (int i = 0; i < QB; i++) {
+                const int v = (int)lrintf(xb[i] * inv);
+                const int64_t at = int4_order ? (i % 2) * QB + (b % 2) * (QB / 2) + i / 2 : (b % 2) * QB + i;
+                out[at] = (int8_t)v;
+                sum += v;
+            }
+            q->d[r * nb + b] = scale;
+            q->ds[r * nb + b] = scale * (float)sum;
+            for (int i = 0; i < 4; i++) q->dv[(r * nb + b) * 4 + i] = scale;   /* (pair, [4 x first, 4 x second]) */
+        }
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* int4: 64 weights (32 bytes, two blocks) per step. The low nibbles are the even elements of both blocks, the
+ * high nibbles the odd ones, matching the activations' order; the byte products of the two halves add as
+ * int16 (at most 4 x 15 x 127 in magnitude), pair up into 8 int32 sums, four per block, each scaled by its
+ * block's d times its group's s. The zero points come off after, once per group.
+ * y[r, n] = sum over blocks b of s(n, b) d[r, b] dot(q, a)  -  sum over groups g of s[n, g] z[n, g] dsg[r, g] */
+static void q4_rows(const Quantized *q, int64_t rows, int64_t K, const uint8_t *w, const float *scales,
+                    const uint8_t *zeros, int64_t G, int64_t n0, int64_t n1, int64_t N, float *y) {
+    const int64_t nb = K / QB, np = K / (2 * QB), ng = K / G, bpg = G / QB;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wn = w + n * (K / 2);
+        const float *sn = scales + n * ng;
+        const uint8_t *zn = zeros + n * ng;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int64_t rt = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+            __m256 acc[ROW_TILE];
+            for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t p = 0; p < np; p++) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(wn + p * QB));
+                const __m256i lo = _mm256_and_si256(packed, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+                const int64_t b0 = 2 * p, b1 = 2 * p + 1;
+                const __m256 sv = bpg > 1 ? _mm256_set1_ps(sn[b0 / bpg])       /* one group holds both blocks */
+                                          : _mm256_set_m128(_mm_set1_ps(sn[b1]), _mm_set1_ps(sn[b0]));
+                for (int64_t i = 0; i < rt; i++) {
+                    const int64_t r = r0 + i;
+                    const int8_t *ap = q->a + r * K + p * 2 * QB;
+                    const __m256i even = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)ap));
+                    const __m256i odd = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(ap + QB)));
+                    const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+                    const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(q->dv + (r * nb + b0) * 4), sv);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[i]);
+                }
+            }
+            for (int64_t i = 0; i < rt; i++) {                                  /* the zero points, per group */
+                const float *dsg = q->dsg + (r0 + i) * ng;
+                float corr = 0.0f;
+                for (int64_t g = 0; g < ng; g++) corr += sn[g] * (float)zn[g] * dsg[g];
+                y[(r0 + i) * N + n] = hsum(acc[i]) - corr;
+            }
+        }
+    }
+}
+
+/* int8: 32 weights per step; maddubs takes unsigned bytes first, so |w| times a with w's sign.
+ * y[r, n] = scale[n] * sum over blocks b of d[r, b] dot(w[n, b], a[r, b]) */
+static void q8w_rows(const Quantized *q, int64_t rows, int64_t K, const int8_t *w, const float *scales,
+                     int64_t n0, int64_t n1, int64_t N, float *y) {
+    const int64_t nb = K / QB;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wn = w + n * K;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int64_t rt = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+            __m256 acc[ROW_TILE];
+            for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + b * QB));
+                const __m256i magnitude = _mm256_sign_epi8(wv, wv);   /* |w| as unsigned bytes (-128 -> 128) */
+                for (int64_t i = 0; i < rt; i++) {
+                    const int64_t r = r0 + i;
+                    const __m256i av = _mm256_loadu_si256((const __m256i *)(q->a + r * K + b * QB));
+                    const __m256i signed_a = _mm256_sign_epi8(av, wv);  /* a with w's sign, 0 where w is 0 */
+                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q->d[r * nb + b]), acc[i]);
+                }
+            }
+            for (int64_t i = 0; i < rt; i++) y[(r0 + i) * N + n] = scales[n] * hsum(acc[i]);
+        }
+    }
+}
+
+/* Output rows per thread band: whole bands of 16 rows, so threads never share a cache line of y. */
+static void band(int64_t N, int t, int nt, int64_t *n0, int64_t *n1) {
+    const int64_t chunks = (N + 15) / 16, per = (chunks + nt - 1) / nt;
+    *n0 = t * per * 16 < N ? t * per * 16 : N;
+    *n1 = (t + 1) * per * 16 < N ? (t + 1) * per * 16 : N;
+}
+
+static int quantized_alloc(Quantized *q, int64_t rows, int64_t K, int64_t G) {
+    const size_t nb = (size_t)(rows * (K / QB));
+    q->a = malloc((size_t)(rows * K));
+    q->d = malloc(sizeof(float) * nb);
+    q->ds = malloc(sizeof(float) * nb);
+    q->dv = malloc(sizeof(float) * nb * 4);
+    q->dsg = malloc(sizeof(float) * (size_t)(rows * (K / G)));
+    return q->a && q->d && q->ds && q->dv && q->dsg ? 0 : -1;
+}
+
+static void quantized_free(Quantized *q) { free(q->a); free(q->d); free(q->ds); free(q->dv); free(q->dsg); }
+
+static void group_sums(Quantized *q, int64_t rows, int64_t K, int64_t G) {
+    const int64_t nb = K / QB, ng = K / G, bpg = G / QB;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < ng; g++) {
+            float sum = 0.0f;
+            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) sum += q->ds[r * nb + b];
+            q->dsg[r * ng + g] = sum;
+        }
+}
+
+/* x [rows, K] fp32, w [N, K/2] packed int4, scales [N, K/G] fp32, zeros [N, K/G] uint8 -> y [rows, N] fp32.
+ * K must be a multiple of 64, G a multiple of 32 dividing K. Returns 0, or -1 if scratch memory ran out. */
+int q4_linear(const float *x, int64_t rows, int64_t K, const uint8_t *w, const float *scales,
+              const uint8_t *zeros, int64_t N, int64_t G, float *y, int nthreads) {
+    Quantized q;
+    if (quantized_alloc(&q, rows, K, G)) { quantized_free(&q); return -1; }
+    quantize_rows(x, rows, K, 1, &q);
+    group_sums(&q, rows, K, G);
+    const int nt = nthreads > 0 ? nthreads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+    for (int t = 0; t < nt; t++) {
+        int64_t n0, n1;
+        band(N, t, nt, &n0, &n1);
+        q4_rows(&q, rows, K, w, scales, zeros, G, n0, n1, N, y);
+    }
+    quantized_free(&q);
+    return 0;
+}
+
+/* x [rows, K] fp32, w [N, K] int8, scales [N] fp32 -> y [rows, N] fp32. K must be a multiple of 32. */
+int q8w_linear(const float *x, int64_t rows, int64_t K, const int8_t *w, const float *scales, int64_t N,
+               float *y, int nthreads) {
+    Quantized q;
+    if (quantized_alloc(&q, rows, K, QB)) { quantized_free(&q); return -1; }
+    quantize_rows(x, rows, K, 0, &q);
+    const int nt = nthreads > 0 ? nthreads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+    for (int t = 0; t < nt; t++) {
+        int64_t n0, n1;
+        band(N, t, nt, &n0, &n1);
+        q8w_rows(&q, rows, K, w, scales, n0, n1, N, y);
+    }
+    quantized_free(&q);
+    return 0;
+}

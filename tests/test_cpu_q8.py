@@ -1,0 +1,107 @@
+"""The hand-written int8-activation CPU kernel (kernels/q8_dot.c through cpu_q8.py) and the path that uses it."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import infopt_lab as lab
+from infopt_lab import cpu_q8
+from infopt_lab.quant_format import dequantize, pack_int4
+from infopt_lab.cpu_q8 import Q8_MAX_ROWS
+from infopt_lab.quant_kernels import Q8_KERNEL
+from infopt_lab.quantize import QuantLinear
+
+needs_kernel = pytest.mark.skipif(not cpu_q8.available(), reason=f"{cpu_q8.why_not()}")
+
+
+def int4_layer_operands(N, K, G, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    s = 0.01 + 0.1 * torch.rand(N, K // G, generator=g)
+    z = torch.randint(0, 16, (N, K // G), generator=g, dtype=torch.uint8)
+    return pack_int4(q), s, z, dequantize(q, s, z, dtype=torch.float32)
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 9), blocks=st.integers(1, 12), n=st.integers(1, 70), group_blocks=st.sampled_from([1, 2, 4]),
+       seed=st.integers(0, 2**16))
+def test_int4_kernel_equals_its_reference_and_each_row_is_alone(rows, blocks, n, group_blocks, seed):
+    K = 64 * group_blocks * blocks                           # any multiple of 64 and the group, N not a power of two
+    G = 32 * group_blocks
+    wq, s, z, w = int4_layer_operands(n, K, G, seed)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(seed + 1)) * 3
+    x[0, :32] = 0.0                                          # an all-zero block quantizes to zeros, not NaN
+    y = cpu_q8.q4_linear(x, wq, s, z, G)
+    ref = cpu_q8.reference(x, w)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+    alone = torch.cat([cpu_q8.q4_linear(x[i:i + 1], wq, s, z, G) for i in range(rows)])
+    assert torch.equal(y, alone)                             # bit for bit: the rows beside it change nothing
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 9), blocks=st.integers(1, 40), n=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_int8_kernel_equals_its_reference_and_each_row_is_alone(rows, blocks, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    K = 32 * blocks
+    wq = torch.randint(-128, 128, (n, K), generator=g, dtype=torch.int8)     # -128 too: |w| is read as a byte
+    s = torch.rand(n, generator=g) * 0.01
+    x = torch.randn(rows, K, generator=g)
+    y = cpu_q8.q8w_linear(x, wq, s)
+    ref = cpu_q8.reference(x, wq.float() * s[:, None])
+    assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+    assert torch.equal(y, torch.cat([cpu_q8.q8w_linear(x[i:i + 1], wq, s) for i in range(rows)]))
+
+
+def test_the_reference_quantizes_activations_to_about_two_decimal_digits():
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    w = torch.eye(256)
+    err = (cpu_q8.reference(x, w) - x.double()).abs()
+    bound = x.reshape(4, -1, 32).abs().amax(-1).repeat_interleave(32, 1).double() / 254   # half a step
+    assert (err <= bound + 1e-7).all() and err.max() > 0
+
+
+def test_shapes_the_kernel_cannot_take_are_named():
+    assert "not a multiple of 32" in cpu_q8.takes(24)
+    assert "not a multiple of 64" in cpu_q8.takes(96, 32)
+    assert "group size 16" in cpu_q8.takes(64, 16)
+    assert cpu_q8.takes(576, 64) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int4", 64)])
+def test_a_model_on_the_q8_path_decodes_close_to_the_pytorch_kernels(tiny, scheme, group):
+    model, tok = tiny
+    base = lab.quantize_model(model, scheme, group_size=group)
+    q8 = lab.quantize_model(model, scheme, group_size=group)
+    assert lab.use_q8_kernel(q8) > 0
+    layers = [m for m in q8.modules() if isinstance(m, QuantLinear) and m.path == Q8_KERNEL]
+    assert layers and all(m.kernels.pick(Q8_MAX_ROWS[scheme]).name == Q8_KERNEL for m in layers)
+    assert all(m.kernels.pick(Q8_MAX_ROWS[scheme] + 1).name != Q8_KERNEL for m in layers)   # longer calls: PyTorch's
+    ids = torch.tensor([tok.encode("def add(a, b):\n    return")])
+    with torch.inference_mode():
+        a, b = base(ids[:, -1:]), q8(ids[:, -1:])                 # one row: the hand-written kernel
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    out = lab.generate(q8, tok, "def add(a, b):\n", max_new_tokens=8, stop_at_eos=False)
+    assert len(out.token_ids) == 8
+
+
+@needs_kernel
+def test_the_q8_path_runs_inside_a_compiled_step(tiny):
+    model, tok = tiny
+    q8 = lab.quantize_model(model, "int4", group_size=32)
+    lab.use_q8_kernel(q8)
+    eager = lab.generate(q8, tok, "def add(a, b):\n", max_new_tokens=6, stop_at_eos=False)
+    compiled = lab.generate(q8, tok, "def add(a, b):\n", max_new_tokens=6, stop_at_eos=False, compile=True)
+    assert compiled.token_ids == eager.token_ids            # the same kernel computes both, row by row
+
+
+def test_use_q8_kernel_says_why_it_cannot(tiny, monkeypatch):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="quantize it first"):
+        lab.use_q8_kernel(model)
+    monkeypatch.setattr(cpu_q8, "why_not", lambda: "this CPU has no AVX2 and FMA")
+    with pytest.raises(ValueError, match="no AVX2"):
+        lab.use_q8_kernel(lab.quantize_model(model, "int8"))
