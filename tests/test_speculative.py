@@ -32,7 +32,7 @@ def test_greedy_speculative_equals_target_greedy(pair, stop_at_eos):
     for prompt in PROMPTS:
         want = lab.generate(target, tok, prompt, max_new_tokens=64, stop_at_eos=stop_at_eos).token_ids
         ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
-        for k in (1, 2, 4, 8):
+        for k in (1, 3, 8):                                             # one, odd, past most accepted runs
             out = sp.speculative_generate(target, draft, ids, max_new_tokens=64, k=k, stop_at_eos=stop_at_eos)
             assert out.token_ids == want, (prompt, k)
             assert out.target_forwards == len(out.rounds) + 1          # one pass per round, plus the prefill
