@@ -67,6 +67,9 @@ def _build(cc: str, out: Path) -> None:
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-400:]}")
         os.replace(built, out)
+    for old in out.parent.glob("q8_dot-*.so"):     # builds of an older source, CPU or torch: not loaded again
+        if old != out:
+            old.unlink(missing_ok=True)
 
 
 @functools.cache

@@ -105,3 +105,13 @@ def test_use_q8_kernel_says_why_it_cannot(tiny, monkeypatch):
     monkeypatch.setattr(cpu_q8, "why_not", lambda: "this CPU has no AVX2 and FMA")
     with pytest.raises(ValueError, match="no AVX2"):
         lab.use_q8_kernel(lab.quantize_model(model, "int8"))
+
+
+@needs_kernel
+def test_a_new_build_replaces_older_ones(tmp_path):
+    stale = tmp_path / "kernels" / "q8_dot-0000000000000000.so"
+    stale.parent.mkdir()
+    stale.write_bytes(b"an older build")
+    out = tmp_path / "kernels" / "q8_dot-1111111111111111.so"
+    cpu_q8._build(cpu_q8._compiler(), out)
+    assert out.exists() and not stale.exists()
