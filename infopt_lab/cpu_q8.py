@@ -117,10 +117,18 @@ def takes(in_features: int, group_size: int | None = None) -> str | None:
     return None
 
 
+OPERAND_DTYPES = {"q4_linear": ((torch.uint8,), (torch.float32,), (torch.uint8,)),   # weight_q, scales, zeros
+                  "q8w_linear": ((torch.int8,), (torch.float32,))}
+
+
 def _call(name: str, x: Tensor, n_out: int, *args) -> Tensor:
     lib = _library()[0]
     if lib is None:
         raise RuntimeError(why_not())
+    for a, dtypes in zip(args, OPERAND_DTYPES[name]):     # the kernel reads raw memory: the layout must be right
+        if a.device.type != "cpu" or a.dtype not in dtypes or not a.is_contiguous():
+            raise ValueError(f"{name} takes contiguous CPU operands of dtype {' or '.join(map(str, dtypes))}, "
+                             f"got {a.dtype} on {a.device} ({'' if a.is_contiguous() else 'not '}contiguous)")
     x = x.to(torch.float32).contiguous()                                                  # (rows, K)
     y = torch.empty(x.shape[0], n_out, dtype=torch.float32)                              # (rows, N)
     ptrs = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
@@ -161,14 +169,14 @@ def _(x, weight_q, scales):
 
 
 def q4_linear(x: Tensor, weight_q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
-    """The int4 product: a direct call in eager mode, the custom op inside torch.compile."""
+    """The int4 product: a direct call in eager mode, the operator infopt::q4_linear inside torch.compile."""
     if torch.compiler.is_compiling():
         return torch.ops.infopt.q4_linear(x, weight_q, scales, zeros, group_size)
     return q4_linear_eager(x, weight_q, scales, zeros, group_size)
 
 
 def q8w_linear(x: Tensor, weight_q: Tensor, scales: Tensor) -> Tensor:
-    """The int8 product: a direct call in eager mode, the custom op inside torch.compile."""
+    """The int8 product: a direct call in eager mode, the operator infopt::q8w_linear inside torch.compile."""
     if torch.compiler.is_compiling():
         return torch.ops.infopt.q8w_linear(x, weight_q, scales)
     return q8w_linear_eager(x, weight_q, scales)

@@ -115,3 +115,26 @@ def test_a_new_build_replaces_older_ones(tmp_path):
     out = tmp_path / "kernels" / "q8_dot-1111111111111111.so"
     cpu_q8._build(cpu_q8._compiler(), out)
     assert out.exists() and not stale.exists()
+
+
+@needs_kernel
+def test_a_bf16_model_runs_the_q8_path_from_fp32_copies_of_its_scales(tiny):
+    model, tok = tiny
+    model = model.to(torch.bfloat16)
+    base, q8 = (lab.quantize_model(model, "int4", group_size=64) for _ in range(2))
+    assert lab.use_q8_kernel(q8) > 0
+    ids = torch.tensor([tok.encode("def add(a, b):\n    return")])
+    with torch.inference_mode():
+        a, b = base(ids[:, -1:]).float(), q8(ids[:, -1:])
+    assert b.dtype == torch.bfloat16                              # the layer's dtype, as PyTorch's paths give
+    assert (a - b.float()).abs().max() < 0.05 * a.abs().max()
+
+
+@needs_kernel
+def test_operands_in_another_layout_are_refused_not_read():
+    wq, s, z, _ = int4_layer_operands(8, 64, 64, 0)
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_q8.q4_linear(x, wq, s.double(), z, 64)
+    with pytest.raises(ValueError, match="not contiguous"):
+        cpu_q8.q8w_linear(x, torch.zeros(64, 8, dtype=torch.int8).T, torch.ones(8))
