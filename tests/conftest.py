@@ -53,6 +53,23 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny(tiny_dir):
+def _tiny_model(tiny_dir):
     import infopt_lab as lab
     return lab.load_model(tiny_dir)
+
+
+def _fingerprint(model):
+    """What a test must not change in the shared model: dtypes, the tied head, every weight's sum."""
+    with torch.no_grad():
+        return ({p.dtype for p in model.parameters()}, model.lm_head.weight is model.embed_tokens.weight,
+                [float(t.double().sum()) for t in model.state_dict().values()])
+
+
+@pytest.fixture
+def tiny(_tiny_model):
+    """The tiny model and tokenizer, loaded once per worker and shared: a test that needs to change the model
+    (cast it, quantize it in place, train it) works on a copy. One that changes the shared model fails here, by
+    name, instead of a later test on the same worker failing for no reason of its own."""
+    before = _fingerprint(_tiny_model[0])
+    yield _tiny_model
+    assert _fingerprint(_tiny_model[0]) == before, "this test changed the shared `tiny` model; work on a copy"

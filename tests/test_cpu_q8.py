@@ -1,4 +1,5 @@
 """The hand-written int8-activation CPU kernel (kernels/q8_dot.c through cpu_q8.py) and the path that uses it."""
+import copy
 import pytest
 import torch
 from hypothesis import given, settings
@@ -120,7 +121,7 @@ def test_a_new_build_replaces_older_ones(tmp_path):
 @needs_kernel
 def test_a_bf16_model_runs_the_q8_path_from_fp32_copies_of_its_scales(tiny):
     model, tok = tiny
-    model = model.to(torch.bfloat16)
+    model = copy.deepcopy(model).to(torch.bfloat16)              # Module.to is in place: the session model stays fp32
     base, q8 = (lab.quantize_model(model, "int4", group_size=64) for _ in range(2))
     assert lab.use_q8_kernel(q8) > 0
     ids = torch.tensor([tok.encode("def add(a, b):\n    return")])
