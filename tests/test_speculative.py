@@ -25,19 +25,41 @@ def pair():
     return target, draft, tok
 
 
-@pytest.mark.parametrize("stop_at_eos", [True, False])
-def test_greedy_speculative_equals_target_greedy(pair, stop_at_eos):
+def assert_every_path_gives(target, draft, ids, want, stop_at_eos, prompt):
+    for k in (1, 3, 8):                                                 # one, odd, past most accepted runs
+        out = sp.speculative_generate(target, draft, ids, max_new_tokens=64, k=k, stop_at_eos=stop_at_eos)
+        assert out.token_ids == want, (prompt, k)
+        assert out.target_forwards == len(out.rounds) + 1              # one pass per round, plus the prefill
+    look = sp.prompt_lookup_generate(target, ids, max_new_tokens=64, k=4, stop_at_eos=stop_at_eos)
+    assert look.token_ids == want, prompt
+
+
+def test_greedy_speculative_equals_target_greedy(pair):
+    """Every prompt, decoding the whole window (an end-of-sequence token is a token like any other)."""
     target, draft, tok = pair
     assert len(PROMPTS) == 20
     for prompt in PROMPTS:
-        want = lab.generate(target, tok, prompt, max_new_tokens=64, stop_at_eos=stop_at_eos).token_ids
-        ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
-        for k in (1, 3, 8):                                             # one, odd, past most accepted runs
-            out = sp.speculative_generate(target, draft, ids, max_new_tokens=64, k=k, stop_at_eos=stop_at_eos)
-            assert out.token_ids == want, (prompt, k)
-            assert out.target_forwards == len(out.rounds) + 1          # one pass per round, plus the prefill
-        look = sp.prompt_lookup_generate(target, ids, max_new_tokens=64, k=4, stop_at_eos=stop_at_eos)
-        assert look.token_ids == want, prompt
+        want = lab.generate(target, tok, prompt, max_new_tokens=64, stop_at_eos=False).token_ids
+        assert_every_path_gives(target, draft, torch.tensor([tok.encode(prompt)], device=lab.get_device()), want,
+                                False, prompt)
+
+
+def test_greedy_speculative_stops_where_generate_stops(pair):
+    """The prompts whose greedy answer ends inside the window: every path ends on the same token, none runs past it.
+
+    The others would repeat the test above token for token (stopping at the end-of-sequence token changes nothing
+    where there is none), so they are not run again."""
+    target, draft, tok = pair
+    ending = []
+    for prompt in PROMPTS:
+        want = lab.generate(target, tok, prompt, max_new_tokens=64, stop_at_eos=True).token_ids
+        if len(want) < 64:
+            assert want[-1] == tok.eos_token_id
+            ending.append((prompt, want))
+    assert ending                                                       # the case is exercised
+    for prompt, want in ending:
+        assert_every_path_gives(target, draft, torch.tensor([tok.encode(prompt)], device=lab.get_device()), want,
+                                True, prompt)
 
 
 def stops_by_place(run: sp.SpeculativeOutput) -> dict[str, int]:
@@ -105,7 +127,7 @@ def test_tokens_per_pass_follow_the_formula(pair):
         assert 0 < run.draft_yield <= run.acceptance_rate <= 1
 
 
-def _tv_of_first_token(p: torch.Tensor, q: torch.Tensor, k: int, trials: int = 20_000) -> float:
+def _tv_of_first_token(p: torch.Tensor, q: torch.Tensor, k: int, trials: int = 10_000) -> float:
     """TV distance to p of the first token verification emits when k draft tokens are drawn from q."""
     counts = first_token_counts(p, q, k, trials, seed=1234)
     return 0.5 * (counts / trials - p).abs().sum().item()
@@ -119,8 +141,8 @@ def _tv_of_first_token(p: torch.Tensor, q: torch.Tensor, k: int, trials: int = 2
 ])
 def test_verify_samples_from_the_target_distribution(p, q):
     p, q = torch.tensor(p), torch.tensor(q)
-    assert _tv_of_first_token(p, q, k=1) <= 0.02
-    assert _tv_of_first_token(p, q, k=3, trials=5_000) <= 0.04   # fewer trials: a looser bound, same property
+    assert _tv_of_first_token(p, q, k=1) <= 0.02                # sampling noise alone: about 0.007 at 10,000 draws
+    assert _tv_of_first_token(p, q, k=3, trials=4_000) <= 0.04   # fewer trials: a looser bound, same property
 
 
 def test_sampled_speculative_run_is_seeded_and_valid(pair):
@@ -182,10 +204,10 @@ def test_smollm2_speculation_stops_at_the_eos_generate_stops_at():
     """The real pair, fp32: on a prompt whose answer ends inside the window, every path ends where generate does."""
     target, tok = lab.load_model("smollm2-135m", dtype=torch.float32)
     draft, _ = lab.load_model("smollm2-135m-draft", dtype=torch.float32)
-    prompt = "def read_config(path):\n    with open(path) as f:"
-    params = lab.SamplingParams(max_new_tokens=96, temperature=0.0)
+    prompt = "The capital of France is"                             # a short answer, then <|im_end|>
+    params = lab.SamplingParams(max_new_tokens=64, temperature=0.0)
     want = lab.generate(target, tok, prompt, params).token_ids
-    assert want[-1] == tok.eos_token_id and len(want) < 96          # the end-of-sequence token inside the window
+    assert want[-1] == tok.eos_token_id and len(want) < 64          # the end-of-sequence token inside the window
     ids = torch.tensor([tok.encode(prompt)], device=lab.get_device())
     for k in (1, 2, 3):
         assert sp.speculative_generate(target, draft, ids, params, k=k).token_ids == want, k
