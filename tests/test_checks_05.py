@@ -1,10 +1,12 @@
-"""Exercise 05's sampling checks, run in this process on plain functions: a correct rule passes, each wrong one fails.
+"""Exercise 05's sampling checks, run in this process on plain functions: each wrong rule fails, with its message.
 
-The class-folder test grades the solution through a kernel (full marks); this says the same checks can fail, and on
-which slip, without starting one.
+A correct rule's full marks are the class-folder test's (the solution graded through a kernel); this says the same
+checks can fail, and on which slip, without starting one.
 """
 import importlib
+from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 
@@ -12,25 +14,16 @@ from infopt_lab import speculative as sp
 from infopt_lab.grading.checks import CheckFailed
 
 checks = importlib.import_module("infopt_lab.grading.checks.05_speculative_decoding")
+SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "05_speculative_decoding.ipynb"
 
 
 def histogram_with(verify_sample):
-    """The notebook's given helper, driving `verify_sample` (the same loop the exercise hands the student)."""
-    def emitted_histogram(p, q, k, trials, seed, p_last=None):
-        p, q = torch.tensor(p, dtype=torch.float64), torch.tensor(q, dtype=torch.float64)
-        p_last = p if p_last is None else torch.tensor(p_last, dtype=torch.float64)
-        g = torch.Generator().manual_seed(seed)
-        target_probs = torch.cat([p.expand(k, -1), p_last[None]])
-        first, bonus, accepted = [0] * len(p), [0] * len(p), 0
-        for _ in range(trials):
-            draft = torch.multinomial(q.expand(k, -1), 1, generator=g).squeeze(1)
-            emitted = verify_sample(draft, q.expand(k, -1), target_probs, g)
-            first[emitted[0]] += 1
-            accepted += len(emitted) - 1
-            if len(emitted) - 1 == k:
-                bonus[emitted[-1]] += 1
-        return {"first": first, "accepted": accepted, "bonus": bonus}
-    return emitted_histogram
+    """The notebook's own `emitted_histogram` (the helper the exercise hands the student), driving `verify_sample`."""
+    nb = nbformat.read(SOLUTION, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "def emitted_histogram(" in c.source)
+    namespace = {"torch": torch, "verify_sample": verify_sample}
+    exec(cell.source, namespace)
+    return namespace["emitted_histogram"]
 
 
 class Local:
@@ -74,6 +67,5 @@ def bonus_from_first_position(draft, q, p, g):
     (bonus_from_first_position, checks.sampling_hidden_longer, "draw them from target_probs"),
 ])
 def test_a_wrong_rule_fails_a_sampling_check(wrong, caught_by, says):
-    """(A correct rule's full marks are the class-folder test's: the solution graded through a kernel.)"""
     with pytest.raises(CheckFailed, match=says):
         caught_by(Local(emitted_histogram=histogram_with(wrong)))

@@ -1,5 +1,6 @@
 """The hand-written int8-activation CPU kernel (kernels/q8_dot.c through cpu_q8.py) and the path that uses it."""
 import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
