@@ -21,6 +21,9 @@ unsupported op) decodes eagerly and says why, once.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import logging
 import time
 import weakref
@@ -54,12 +57,53 @@ def _reduction_addmm(bias: Tensor, a: Tensor, b: Tensor, beta=1, alpha=1):
     return NotImplemented if y is NotImplemented else y + bias
 
 
+class _Decompositions(dict):
+    """cpu_backend's decomposition table. Inductor pickles it into the key of its on-disk cache of compiled
+    graphs, and many stock entries are C++ functions that pickle cannot take: every graph then compiled afresh
+    (10-30 s each, in every process). This table pickles as the call that rebuilds it."""
+
+    def __reduce__(self):
+        return _cpu_decompositions, ()
+
+
+@functools.cache
+def _cpu_decompositions() -> _Decompositions:
+    from torch._inductor.decomposition import select_decomp_table
+    return _Decompositions({**select_decomp_table(), aten.mm.default: _reduction_mm,
+                            aten.addmm.default: _reduction_addmm})
+
+
+@functools.cache
+def _lowering_mark():
+    """A graph pass that changes nothing and names this lowering (a hash of its source) to inductor's caches,
+    which key a pass by its uuid but do not read the decomposition table: without it, a graph compiled with
+    inductor's own table and one with ours would share a cache entry. None where torch has no custom passes:
+    cpu_backend then passes the table as a plain dict, which cannot be pickled, and inductor compiles afresh."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:
+        return None
+    key = hashlib.sha256("".join(inspect.getsource(f) for f in (_reduction_mm, _reduction_addmm, cpu_backend))
+                         .encode()).hexdigest()
+
+    class LoweringMark(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return f"infopt-lab reduction of products up to {REDUCTION_MAX_ROWS} rows, {key}"
+
+    return LoweringMark()
+
+
 def cpu_backend(gm, example_inputs):
     """Inductor with one-row float products lowered to its own reduction (the C++ backend)."""
     from torch._inductor.compile_fx import compile_fx
-    from torch._inductor.decomposition import select_decomp_table
-    table = {**select_decomp_table(), aten.mm.default: _reduction_mm, aten.addmm.default: _reduction_addmm}
-    return compile_fx(gm, example_inputs, decompositions=table)
+    mark = _lowering_mark()
+    if mark is None:
+        return compile_fx(gm, example_inputs, decompositions=dict(_cpu_decompositions()))   # a plain dict
+    return compile_fx(gm, example_inputs, decompositions=_cpu_decompositions(),
+                      config_patches={"post_grad_custom_post_pass": mark})
 
 
 def compile_options(device: torch.device) -> dict:

@@ -166,3 +166,44 @@ def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cp
         overhead.bench_overhead("target", against="vllm")
     with pytest.raises(ValueError, match="precision"):
         overhead.bench_overhead("target", precisions=("fp8",))
+
+
+
+def test_a_compiled_step_is_read_back_from_inductors_cache_under_its_own_key(tiny, tmp_path, monkeypatch):
+    """cpu_backend's graphs are cached on disk (compiling them again, in a fresh process or after a reset, reads
+    the cache), and never share an entry with the same graph compiled by inductor's own table."""
+    import copy
+    import pickle
+
+    from torch._dynamo.utils import counters
+    pytest.importorskip("torch._inductor.custom_graph_pass")
+    table = compiled_mod._cpu_decompositions()
+    assert pickle.loads(pickle.dumps(table)) is table                       # pickles, as a call that rebuilds it
+    mark = compiled_mod._lowering_mark()
+    with monkeypatch.context() as m:
+        m.setattr(compiled_mod, "REDUCTION_MAX_ROWS", 2)
+        assert "up to 2 rows" in mark.uuid()                                # another lowering, another key
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))             # a cold cache of this test's own
+    model, _ = tiny
+
+    def one_step(**options):
+        torch._dynamo.reset()                                               # forget compiled code: compile again
+        m = copy.deepcopy(model)
+        with monkeypatch.context() as patch:
+            if options:
+                patch.setattr(compiled_mod, "compile_options", lambda device: options)
+            step = compiled_mod.compile_model(m, verbose=False)
+        before = dict(counters["inductor"])
+        logits = step.step(torch.tensor([[3]]), torch.tensor([4]), StaticKVCache.for_model(m, 1, 128).layers)
+        return logits, {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+
+    plain, plain_counts = one_step(backend="inductor")
+    first, first_counts = one_step()
+    again, again_counts = one_step()
+    torch._dynamo.reset()
+    assert plain_counts == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}
+    assert first_counts == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}          # not plain's entry
+    assert again_counts == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0}
+    assert torch.equal(first, again)
+    assert torch.allclose(first, plain, atol=1e-4)
