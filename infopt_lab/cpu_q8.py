@@ -122,14 +122,19 @@ OPERAND_DTYPES = {"q4_linear": ((torch.uint8,), (torch.float32,), (torch.uint8,)
 
 
 def _call(name: str, x: Tensor, n_out: int, *args) -> Tensor:
+    """Run the library's `name` on x [rows, K] and the layer's operands; a decode step makes a hundred such calls,
+    so each check here is the cheapest that still keeps raw memory reads safe."""
     lib = _library()[0]
     if lib is None:
         raise RuntimeError(why_not())
     for a, dtypes in zip(args, OPERAND_DTYPES[name]):     # the kernel reads raw memory: the layout must be right
-        if a.device.type != "cpu" or a.dtype not in dtypes or not a.is_contiguous():
+        if not (a.is_cpu and a.dtype in dtypes and a.is_contiguous()):
             raise ValueError(f"{name} takes contiguous CPU operands of dtype {' or '.join(map(str, dtypes))}, "
                              f"got {a.dtype} on {a.device} ({'' if a.is_contiguous() else 'not '}contiguous)")
-    x = x.to(torch.float32).contiguous()                                                  # (rows, K)
+    if not x.is_cpu:
+        raise ValueError(f"{name} takes activations on the CPU, got them on {x.device}")
+    if x.dtype is not torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()                                              # (rows, K)
     y = torch.empty(x.shape[0], n_out, dtype=torch.float32)                              # (rows, N)
     ptrs = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
     if getattr(lib, name)(x.data_ptr(), x.shape[0], x.shape[1], *ptrs, y.data_ptr(), torch.get_num_threads()):

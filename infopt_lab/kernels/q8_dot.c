@@ -36,21 +36,38 @@ typedef struct {
     float *d, *ds, *dv, *dsg;   /* dsg [rows, K/G]: ds summed over each int4 group */
 } Quantized;
 
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* A block's scale and integers, eight lanes at a time: the largest magnitude is exact in any order, x * inv is
+ * one fp32 multiply as in scalar code, and _mm256_cvtps_epi32 rounds half to even as lrintf does (the default
+ * rounding mode), so the integers are those of the scalar loop, without a library call per element. */
 static void quantize_rows(const float *x, int64_t rows, int64_t K, int int4_order, Quantized *q) {
     const int64_t nb = K / QB;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + r * K + b * QB;
-            float amax = 0.0f;
-            for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            __m256 v[QB / 8], m = _mm256_setzero_ps();
+            for (int i = 0; i < QB / 8; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+            }
+            const float amax = hmax(m);
             const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t ints[QB];
+            for (int i = 0; i < QB / 8; i++)
+                _mm256_storeu_si256((__m256i *)(ints + 8 * i),
+                                    _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv))));
             int8_t *out = q->a + r * K + (b / 2) * 2 * QB;    /* this pair of blocks' 64 bytes */
             int32_t sum = 0;
             for (int i = 0; i < QB; i++) {
-                const int v = (int)lrintf(xb[i] * inv);
                 const int64_t at = int4_order ? (i % 2) * QB + (b % 2) * (QB / 2) + i / 2 : (b % 2) * QB + i;
-                out[at] = (int8_t)v;
-                sum += v;
+                out[at] = (int8_t)ints[i];
+                sum += ints[i];
             }
             q->d[r * nb + b] = scale;
             q->ds[r * nb + b] = scale * (float)sum;
@@ -66,46 +83,62 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* The row loops below run a tile of rt activation rows over one weight row; each is inlined for every rt from
+ * 1 to ROW_TILE, so the tile's accumulators stay in registers. Every row sums its blocks in the same order
+ * whatever rt is: a row's result is the same alone or in a batch. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+_Static_assert(ROW_TILE == 4, "q4_rows and q8w_rows switch over tiles of 1 to 4 rows");
+
 /* int4: 64 weights (32 bytes, two blocks) per step. The low nibbles are the even elements of both blocks, the
  * high nibbles the odd ones, matching the activations' order; the byte products of the two halves add as
  * int16 (at most 4 x 15 x 127 in magnitude), pair up into 8 int32 sums, four per block, each scaled by its
  * block's d times its group's s. The zero points come off after, once per group.
  * y[r, n] = sum over blocks b of s(n, b) d[r, b] dot(q, a)  -  sum over groups g of s[n, g] z[n, g] dsg[r, g] */
-static void q4_rows(const Quantized *q, int64_t rows, int64_t K, const uint8_t *w, const float *scales,
-                    const uint8_t *zeros, int64_t G, int64_t n0, int64_t n1, int64_t N, float *y) {
+ALWAYS_INLINE void q4_tile(const Quantized *q, int64_t r0, const int rt, int64_t K, const uint8_t *wn,
+                           const float *sn, const uint8_t *zn, int64_t G, int64_t n, int64_t N, float *y) {
     const int64_t nb = K / QB, np = K / (2 * QB), ng = K / G, bpg = G / QB;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    for (int i = 0; i < rt; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(wn + p * QB));
+        const __m256i lo = _mm256_and_si256(packed, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        const int64_t b0 = 2 * p, b1 = 2 * p + 1;
+        const __m256 sv = bpg > 1 ? _mm256_set1_ps(sn[b0 / bpg])       /* one group holds both blocks */
+                                  : _mm256_set_m128(_mm_set1_ps(sn[b1]), _mm_set1_ps(sn[b0]));
+        for (int i = 0; i < rt; i++) {
+            const int64_t r = r0 + i;
+            const int8_t *ap = q->a + r * K + p * 2 * QB;
+            const __m256i even = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)ap));
+            const __m256i odd = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(ap + QB)));
+            const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+            const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(q->dv + (r * nb + b0) * 4), sv);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[i]);
+        }
+    }
+    for (int i = 0; i < rt; i++) {                                      /* the zero points, per group */
+        const float *dsg = q->dsg + (r0 + i) * ng;
+        float corr = 0.0f;
+        for (int64_t g = 0; g < ng; g++) corr += sn[g] * (float)zn[g] * dsg[g];
+        y[(r0 + i) * N + n] = hsum(acc[i]) - corr;
+    }
+}
+
+static void q4_rows(const Quantized *q, int64_t rows, int64_t K, const uint8_t *w, const float *scales,
+                    const uint8_t *zeros, int64_t G, int64_t n0, int64_t n1, int64_t N, float *y) {
+    const int64_t ng = K / G;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wn = w + n * (K / 2);
         const float *sn = scales + n * ng;
         const uint8_t *zn = zeros + n * ng;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            const int64_t rt = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
-            __m256 acc[ROW_TILE];
-            for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t p = 0; p < np; p++) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(wn + p * QB));
-                const __m256i lo = _mm256_and_si256(packed, low4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-                const int64_t b0 = 2 * p, b1 = 2 * p + 1;
-                const __m256 sv = bpg > 1 ? _mm256_set1_ps(sn[b0 / bpg])       /* one group holds both blocks */
-                                          : _mm256_set_m128(_mm_set1_ps(sn[b1]), _mm_set1_ps(sn[b0]));
-                for (int64_t i = 0; i < rt; i++) {
-                    const int64_t r = r0 + i;
-                    const int8_t *ap = q->a + r * K + p * 2 * QB;
-                    const __m256i even = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)ap));
-                    const __m256i odd = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(ap + QB)));
-                    const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
-                    const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(q->dv + (r * nb + b0) * 4), sv);
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[i]);
-                }
-            }
-            for (int64_t i = 0; i < rt; i++) {                                  /* the zero points, per group */
-                const float *dsg = q->dsg + (r0 + i) * ng;
-                float corr = 0.0f;
-                for (int64_t g = 0; g < ng; g++) corr += sn[g] * (float)zn[g] * dsg[g];
-                y[(r0 + i) * N + n] = hsum(acc[i]) - corr;
+            switch (rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE) {
+                case 4: q4_tile(q, r0, 4, K, wn, sn, zn, G, n, N, y); break;
+                case 3: q4_tile(q, r0, 3, K, wn, sn, zn, G, n, N, y); break;
+                case 2: q4_tile(q, r0, 2, K, wn, sn, zn, G, n, N, y); break;
+                default: q4_tile(q, r0, 1, K, wn, sn, zn, G, n, N, y); break;
             }
         }
     }
@@ -113,28 +146,37 @@ static void q4_rows(const Quantized *q, int64_t rows, int64_t K, const uint8_t *
 
 /* int8: 32 weights per step; maddubs takes unsigned bytes first, so |w| times a with w's sign.
  * y[r, n] = scale[n] * sum over blocks b of d[r, b] dot(w[n, b], a[r, b]) */
-static void q8w_rows(const Quantized *q, int64_t rows, int64_t K, const int8_t *w, const float *scales,
-                     int64_t n0, int64_t n1, int64_t N, float *y) {
+ALWAYS_INLINE void q8w_tile(const Quantized *q, int64_t r0, const int rt, int64_t K, const int8_t *wn, float scale,
+                            int64_t n, int64_t N, float *y) {
     const int64_t nb = K / QB;
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    for (int i = 0; i < rt; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + b * QB));
+        const __m256i magnitude = _mm256_sign_epi8(wv, wv);   /* |w| as unsigned bytes (-128 -> 128) */
+        for (int i = 0; i < rt; i++) {
+            const int64_t r = r0 + i;
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(q->a + r * K + b * QB));
+            const __m256i signed_a = _mm256_sign_epi8(av, wv);  /* a with w's sign, 0 where w is 0 */
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q->d[r * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < rt; i++) y[(r0 + i) * N + n] = scale * hsum(acc[i]);
+}
+
+static void q8w_rows(const Quantized *q, int64_t rows, int64_t K, const int8_t *w, const float *scales,
+                     int64_t n0, int64_t n1, int64_t N, float *y) {
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *wn = w + n * K;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            const int64_t rt = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
-            __m256 acc[ROW_TILE];
-            for (int i = 0; i < ROW_TILE; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + b * QB));
-                const __m256i magnitude = _mm256_sign_epi8(wv, wv);   /* |w| as unsigned bytes (-128 -> 128) */
-                for (int64_t i = 0; i < rt; i++) {
-                    const int64_t r = r0 + i;
-                    const __m256i av = _mm256_loadu_si256((const __m256i *)(q->a + r * K + b * QB));
-                    const __m256i signed_a = _mm256_sign_epi8(av, wv);  /* a with w's sign, 0 where w is 0 */
-                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones);
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q->d[r * nb + b]), acc[i]);
-                }
+            switch (rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE) {
+                case 4: q8w_tile(q, r0, 4, K, wn, scales[n], n, N, y); break;
+                case 3: q8w_tile(q, r0, 3, K, wn, scales[n], n, N, y); break;
+                case 2: q8w_tile(q, r0, 2, K, wn, scales[n], n, N, y); break;
+                default: q8w_tile(q, r0, 1, K, wn, scales[n], n, N, y); break;
             }
-            for (int64_t i = 0; i < rt; i++) y[(r0 + i) * N + n] = scales[n] * hsum(acc[i]);
         }
     }
 }
