@@ -140,3 +140,17 @@ def test_operands_in_another_layout_are_refused_not_read():
         cpu_q8.q4_linear(x, wq, s.double(), z, 64)
     with pytest.raises(ValueError, match="not contiguous"):
         cpu_q8.q8w_linear(x, torch.zeros(64, 8, dtype=torch.int8).T, torch.ones(8))
+
+
+@needs_kernel
+def test_activations_round_half_to_even_as_the_reference_does():
+    """An identity weight returns the quantized activations themselves: halves go to the even integer (lrintf's
+    rule, and the reference's), in every lane of a block, one row alone or four together."""
+    halves = torch.arange(31) - 15 + 0.5                                 # -14.5 ... 15.5: every lane a tie
+    x = torch.cat([torch.tensor([127.0]), halves])[None].repeat(4, 1)    # amax 127: the scale d is exactly 1
+    x[1] = -x[1]
+    eye = torch.eye(32, dtype=torch.int8)
+    want = torch.round(x)                                                # half to even
+    assert torch.equal(cpu_q8.q8w_linear(x, eye, torch.ones(32)), want)
+    assert torch.equal(cpu_q8.q8w_linear(x[1:2], eye, torch.ones(32)), want[1:2])
+    assert torch.equal(cpu_q8.reference(x, eye.float()).float(), want)
