@@ -154,3 +154,14 @@ def test_activations_round_half_to_even_as_the_reference_does():
     assert torch.equal(cpu_q8.q8w_linear(x, eye, torch.ones(32)), want)
     assert torch.equal(cpu_q8.q8w_linear(x[1:2], eye, torch.ones(32)), want[1:2])
     assert torch.equal(cpu_q8.reference(x, eye.float()).float(), want)
+
+
+@needs_kernel
+def test_operands_off_the_cpu_are_refused_before_the_kernel_reads_memory():
+    wq, s = torch.zeros(16, 32, dtype=torch.int8), torch.ones(16)
+    with pytest.raises(ValueError, match="activations on the CPU, got them on meta"):
+        cpu_q8.q8w_linear_eager(torch.zeros(1, 32, device="meta"), wq, s)
+    with pytest.raises(ValueError, match="contiguous CPU operands of dtype torch.int8"):
+        cpu_q8.q8w_linear_eager(torch.zeros(1, 32), wq.to("meta"), s)
+    with pytest.raises(ValueError, match="not contiguous"):
+        cpu_q8.q8w_linear_eager(torch.zeros(1, 32), torch.zeros(32, 16, dtype=torch.int8).t(), s)
