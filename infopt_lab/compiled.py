@@ -78,14 +78,15 @@ def _cpu_decompositions() -> _Decompositions:
 def _lowering_mark():
     """A graph pass that changes nothing and names this lowering (a hash of its source) to inductor's caches,
     which key a pass by its uuid but do not read the decomposition table: without it, a graph compiled with
-    inductor's own table and one with ours would share a cache entry. None where torch has no custom passes:
-    cpu_backend then passes the table as a plain dict, which cannot be pickled, and inductor compiles afresh."""
+    inductor's own table and one with ours would share a cache entry. None where torch has no custom passes or
+    the source cannot be read: cpu_backend then passes the table as a plain dict, which cannot be pickled, and
+    inductor compiles afresh."""
     try:
         from torch._inductor.custom_graph_pass import CustomGraphPass
-    except ImportError:
+        source = "".join(inspect.getsource(f) for f in (_reduction_mm, _reduction_addmm, cpu_backend))
+    except (ImportError, OSError):                       # OSError: no source to hash (an install without .py files)
         return None
-    key = hashlib.sha256("".join(inspect.getsource(f) for f in (_reduction_mm, _reduction_addmm, cpu_backend))
-                         .encode()).hexdigest()
+    key = hashlib.sha256(source.encode()).hexdigest()
 
     class LoweringMark(CustomGraphPass):
         def __call__(self, graph):
