@@ -60,8 +60,8 @@ def _reduction_addmm(bias: Tensor, a: Tensor, b: Tensor, beta=1, alpha=1):
 
 class _Decompositions(dict):
     """cpu_backend's decomposition table. Inductor pickles it into the key of its on-disk cache of compiled
-    graphs, and many stock entries are C++ functions that pickle cannot take: every graph then compiled afresh
-    (10-30 s each, in every process). This table pickles as the call that rebuilds it."""
+    graphs, and many stock entries are C++ functions that pickle cannot take: every graph then compiled afresh,
+    in every process. This table pickles as the call that rebuilds it."""
 
     def __reduce__(self):
         return _cpu_decompositions, ()
@@ -136,8 +136,8 @@ class StaticLayer:
 
     def _one_query(self, q: Tensor, visible: Tensor) -> Tensor:
         """One new token's attention in a compiled CPU step, as products, a softmax and sums that inductor fuses
-        into loops of its own: PyTorch's attention kernel costs about 0.1 ms a call there whatever the size, a
-        tenth of a decode step over 30 layers. Query heads share their key head in groups, as enable_gqa does;
+        into loops of its own: PyTorch's attention kernel has a fixed cost per call far above one query's work
+        (`bench.overhead.step_profile` shows it). Query heads share their key head in groups, as enable_gqa does;
         summed in fp32. Eager steps keep PyTorch's kernel."""
         B, H, _, D = q.shape
         h_kv = self.k.shape[1]

@@ -168,7 +168,6 @@ def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cp
         overhead.bench_overhead("target", precisions=("fp8",))
 
 
-
 def test_a_compiled_step_is_read_back_from_inductors_cache_under_its_own_key(tiny, tmp_path, monkeypatch):
     """cpu_backend's graphs are cached on disk (compiling them again, in a fresh process or after a reset, reads
     the cache), and never share an entry with the same graph compiled by inductor's own table."""
@@ -196,7 +195,8 @@ def test_a_compiled_step_is_read_back_from_inductors_cache_under_its_own_key(tin
             step = compiled_mod.compile_model(m, verbose=False)
         before = dict(counters["inductor"])
         logits = step.step(torch.tensor([[3]]), torch.tensor([4]), StaticKVCache.for_model(m, 1, 128).layers)
-        return logits, {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+        counts = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+        return logits, counts
 
     plain, plain_counts = one_step(backend="inductor")
     first, first_counts = one_step()
@@ -207,3 +207,25 @@ def test_a_compiled_step_is_read_back_from_inductors_cache_under_its_own_key(tin
     assert again_counts == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0}
     assert torch.equal(first, again)
     assert torch.allclose(first, plain, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, dtype", [(6, 2, 40, torch.float32), (3, 3, 24, torch.float32),
+                                                             (6, 3, 40, torch.bfloat16)])
+def test_one_query_attention_in_a_compiled_step_equals_pytorchs_kernel(heads, kv_heads, head_dim, dtype):
+    """The compiled CPU step's own one-token attention against the eager step's scaled_dot_product_attention, on
+    grouped and plain heads, head sizes that are not powers of two, a half-filled cache, fp32 and bf16."""
+    g = torch.Generator().manual_seed(heads * head_dim)
+    S, filled = 16, 9
+    k, v = (torch.randn(1, kv_heads, S, head_dim, generator=g).to(dtype) for _ in range(2))
+    q, k_new, v_new = (torch.randn(1, h, 1, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    pos = torch.tensor([filled])
+
+    def attend(layer, q, k_new, v_new, pos):
+        return layer.attend(0, q, k_new, v_new, pos)
+
+    traced = torch.compile(attend, backend="eager", fullgraph=True)    # traced, so the compiled branch runs
+    got = traced(compiled_mod.StaticLayer(k.clone(), v.clone()), q, k_new, v_new, pos)
+    want = attend(compiled_mod.StaticLayer(k.clone(), v.clone()), q, k_new, v_new, pos)
+    torch._dynamo.reset()
+    assert got.shape == want.shape == (1, heads, 1, head_dim) and got.dtype == dtype
+    assert (got.float() - want.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
