@@ -1,10 +1,16 @@
-"""The hand-written CPU kernel of kernels/q8_dot.c: built at first use, loaded with ctypes, called by compiled steps.
+"""The hand-written CPU kernel of kernels/q8_dot.c: built at first use, called by eager and compiled steps.
 
 `available()` says whether it runs here, and `why_not()` why not: it needs an x86 CPU with AVX2 and a C
 compiler (`cc`, or $CC). The library is built once per source and CPU into the course's cache
 (`hub.cache_root() / "kernels"`), in about a second, linked to the OpenMP runtime PyTorch already loaded
-so the two share one pool of threads. `q4_linear` and `q8w_linear` compute x @ W^T in fp32 from a layer's
-own buffers; inside `torch.compile` they run as the operators `infopt::q4_linear` and `infopt::q8w_linear`.
+so the two share one pool of threads, and loaded with ctypes. `q4_linear` and `q8w_linear` compute x @ W^T
+in fp32 from a layer's own buffers.
+
+A compiled step calls them as operators. Where a C++ compiler (`c++`, or $CXX) builds kernels/q8_ops.cpp
+against PyTorch's headers (about ten seconds, once), they are `infopt::q4_linear_native` and
+`infopt::q8w_linear_native`, C++ kernels the dispatcher calls directly; elsewhere `infopt::q4_linear` and
+`infopt::q8w_linear`, registered from Python, which cost tens of microseconds more a call.
+`native_why_not()` says why the C++ operators are not in use.
 """
 from __future__ import annotations
 
@@ -24,8 +30,11 @@ from torch import Tensor
 from .quant_kernels import PATHS, Q8_KERNEL, DerivedOperands, KernelPath, int4_cpu_paths, int8_paths
 
 SOURCE = Path(__file__).parent / "kernels" / "q8_dot.c"
+NATIVE_SOURCE = Path(__file__).parent / "kernels" / "q8_ops.cpp"
 BLOCK = 32                     # activations per quantization block: K and the int4 group size are multiples of it
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+C_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC")
+FLAGS = (*C_FLAGS, "-shared")
+CXX_FLAGS = ("-O2", "-std=c++20", "-fPIC", "-shared")   # PyTorch's recent headers need C++20
 
 
 def cpu_flags() -> set[str]:
@@ -42,6 +51,10 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def _cxx_compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
 def _openmp_flags() -> list[str]:
     """Link to PyTorch's own libgomp where it ships one, so one OpenMP runtime serves both."""
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -51,23 +64,44 @@ def _openmp_flags() -> list[str]:
     return ["-fopenmp"]
 
 
-def _library_path(cc: str) -> Path:
+def _library_path(cc: str, cxx: str | None = None) -> Path:
+    """Where the build of this source, compiler, CPU and torch lives: q8_dot-KEY.so, or q8_ops-KEY.so with cxx."""
     from .hub import cache_root
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS, *sorted(cpu_flags()))).encode()
-                         + torch.__version__.encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"q8_dot-{key}.so"
+    sources = SOURCE.read_bytes() + (NATIVE_SOURCE.read_bytes() if cxx else b"")
+    flags = (cc, *FLAGS, *((cxx, *CXX_FLAGS) if cxx else ()), *sorted(cpu_flags()))
+    key = hashlib.sha256(sources + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"{'q8_ops' if cxx else 'q8_dot'}-{key}.so"
 
 
-def _build(cc: str, out: Path) -> None:
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-400:]}")
+
+
+def _torch_link_flags() -> list[str]:
+    """PyTorch's headers, libraries and C++ ABI, for a library of operators loaded into this process."""
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [f"-I{root / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10",
+            f"-Wl,-rpath,{root / 'lib'}"]
+
+
+def _build(cc: str, out: Path, cxx: str | None = None) -> None:
+    """Build the C library into `out`, or with cxx the C++ operators with the C library linked in."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name              # built aside, then moved: a reader never sees half a file
-        cmd = [cc, *FLAGS, str(SOURCE), "-o", str(built), *_openmp_flags(), "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-400:]}")
+        if cxx is None:
+            _run([cc, *FLAGS, str(SOURCE), "-o", str(built), *_openmp_flags(), "-lm"])
+        else:
+            obj = Path(tmp) / "q8_dot.o"
+            _run([cc, *C_FLAGS, "-fopenmp", "-fvisibility=hidden", "-c", str(SOURCE), "-o", str(obj)])
+            _run([cxx, *CXX_FLAGS, str(NATIVE_SOURCE), str(obj), "-o", str(built), *_torch_link_flags(),
+                  *_openmp_flags(), "-lm"])
         os.replace(built, out)
-    for old in out.parent.glob("q8_dot-*.so"):     # builds of an older source, CPU or torch: not loaded again
+    stem = out.name.partition("-")[0]
+    for old in out.parent.glob(f"{stem}-*.so"):   # builds of an older source, CPU or torch: not loaded again
         if old != out:
             old.unlink(missing_ok=True)
 
@@ -93,6 +127,39 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     lib.q8w_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     return lib, None
+
+
+@functools.cache
+def _native() -> tuple[bool, str | None]:
+    """Load the C++ operators (built on first use); False and why where they cannot be."""
+    if _library()[0] is None:
+        return False, why_not()
+    cc, cxx = _compiler(), _cxx_compiler()
+    if cxx is None:
+        return False, "no C++ compiler (c++, g++ or clang++) to build the operators against PyTorch"
+    path = _library_path(cc, cxx)
+    try:
+        if not path.exists():
+            _build(cc, path, cxx)
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return False, f"the C++ operators did not build or load: {e}"
+    for name in ("q4_linear_native", "q8w_linear_native"):
+        torch.library.register_fake(f"infopt::{name}", _FAKES[name.removesuffix("_native")])
+    return True, None
+
+
+def native_why_not() -> str | None:
+    """Why the C++ operators are not in use here (calls then cross into Python); None if they are."""
+    return _native()[1]
+
+
+def operators() -> tuple:
+    """The (int4, int8) operators a step calls: the C++ ones where they build, else those registered from Python."""
+    ops = torch.ops.infopt
+    if _native()[0]:
+        return ops.q4_linear_native, ops.q8w_linear_native
+    return ops.q4_linear, ops.q8w_linear
 
 
 def available() -> bool:
@@ -133,6 +200,9 @@ def _call(name: str, x: Tensor, n_out: int, *args) -> Tensor:
                              f"got {a.dtype} on {a.device} ({'' if a.is_contiguous() else 'not '}contiguous)")
     if not x.is_cpu:
         raise ValueError(f"{name} takes activations on the CPU, got them on {x.device}")
+    K = args[0].shape[1] * (2 if name == "q4_linear" else 1)           # int4 packs two weights a byte
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"{name} takes activations [rows, {K}], got {list(x.shape)}")
     if x.dtype is not torch.float32 or not x.is_contiguous():
         x = x.to(torch.float32).contiguous()                                              # (rows, K)
     y = torch.empty(x.shape[0], n_out, dtype=torch.float32)                              # (rows, N)
@@ -163,28 +233,31 @@ _OPS.impl("q4_linear", q4_linear_eager, "CPU")
 _OPS.impl("q8w_linear", q8w_linear_eager, "CPU")
 
 
-@torch.library.register_fake("infopt::q4_linear")
-def _(x, weight_q, scales, zeros, group_size):
+def _q4_fake(x, weight_q, scales, zeros, group_size):
     return x.new_empty(x.shape[0], weight_q.shape[0], dtype=torch.float32)
 
 
-@torch.library.register_fake("infopt::q8w_linear")
-def _(x, weight_q, scales):
+def _q8w_fake(x, weight_q, scales):
     return x.new_empty(x.shape[0], weight_q.shape[0], dtype=torch.float32)
+
+
+_FAKES = {"q4_linear": _q4_fake, "q8w_linear": _q8w_fake}   # the C++ operators get theirs when they load
+for _name, _fake in _FAKES.items():
+    torch.library.register_fake(f"infopt::{_name}", _fake)
 
 
 def q4_linear(x: Tensor, weight_q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
-    """The int4 product: a direct call in eager mode, the operator infopt::q4_linear inside torch.compile."""
+    """The int4 product through `operators()` (infopt::q4_linear inside a trace, where no build may start)."""
     if torch.compiler.is_compiling():
         return torch.ops.infopt.q4_linear(x, weight_q, scales, zeros, group_size)
-    return q4_linear_eager(x, weight_q, scales, zeros, group_size)
+    return operators()[0](x, weight_q, scales, zeros, group_size)
 
 
 def q8w_linear(x: Tensor, weight_q: Tensor, scales: Tensor) -> Tensor:
-    """The int8 product: a direct call in eager mode, the operator infopt::q8w_linear inside torch.compile."""
+    """The int8 product through `operators()` (infopt::q8w_linear inside a trace, where no build may start)."""
     if torch.compiler.is_compiling():
         return torch.ops.infopt.q8w_linear(x, weight_q, scales)
-    return q8w_linear_eager(x, weight_q, scales)
+    return operators()[1](x, weight_q, scales)
 
 
 # -- the path a QuantLinear computes with (quant_kernels.KernelChoice) --------------------------------------
@@ -196,14 +269,15 @@ class Q8Kernel(KernelPath):
     def __init__(self, max_rows: int):
         super().__init__(0, max_rows)
         self.scales = DerivedOperands(("scales",), lambda s: s.float().contiguous())     # (N,) or (N, K/G) fp32
+        self.q4, self.q8w = operators()          # chosen here, outside any trace: a compiled graph calls them
 
     def matmul(self, x2: Tensor, layer) -> Tensor:
         scales = layer.scales
         if scales.dtype != torch.float32 or not scales.is_contiguous():     # a bf16 model: an fp32 copy, kept
             scales = self.scales.get(layer)
         if layer.scheme == "int8":
-            return q8w_linear(x2, layer.weight_q, scales)
-        return q4_linear(x2, layer.weight_q, scales, layer.zeros, layer.group_size)
+            return self.q8w(x2, layer.weight_q, scales)
+        return self.q4(x2, layer.weight_q, scales, layer.zeros, layer.group_size)
 
     def forget(self) -> None:
         self.scales.forget()

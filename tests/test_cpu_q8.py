@@ -165,3 +165,68 @@ def test_operands_off_the_cpu_are_refused_before_the_kernel_reads_memory():
         cpu_q8.q8w_linear_eager(torch.zeros(1, 32), wq.to("meta"), s)
     with pytest.raises(ValueError, match="not contiguous"):
         cpu_q8.q8w_linear_eager(torch.zeros(1, 32), torch.zeros(32, 16, dtype=torch.int8).t(), s)
+
+
+needs_native = pytest.mark.skipif(cpu_q8.native_why_not() is not None, reason=f"{cpu_q8.native_why_not()}")
+
+
+@needs_native
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(0, 9), blocks=st.integers(1, 6), n=st.integers(1, 40), group_blocks=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**16))
+def test_the_cpp_operators_equal_the_python_ones_bit_for_bit(rows, blocks, n, group_blocks, seed):
+    """The C++ registration calls the same kernel as the ctypes path: same bits, zero rows included."""
+    K, G = 64 * group_blocks * blocks, 32 * group_blocks
+    wq, s, z, _ = int4_layer_operands(n, K, G, seed)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(seed + 1))
+    ops = torch.ops.infopt
+    assert torch.equal(ops.q4_linear_native(x, wq, s, z, G), cpu_q8.q4_linear_eager(x, wq, s, z, G))
+    w8 = torch.randint(-128, 128, (n, K), generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+    s8 = s[:, 0].contiguous()
+    assert torch.equal(ops.q8w_linear_native(x, w8, s8), cpu_q8.q8w_linear_eager(x, w8, s8))
+    assert torch.equal(ops.q8w_linear_native(x.double(), w8, s8), cpu_q8.q8w_linear_eager(x.double(), w8, s8))
+
+
+@needs_native
+@pytest.mark.parametrize("op", ["native", "python"])
+def test_operands_the_kernel_cannot_read_are_refused_by_both_registrations(op):
+    q4 = torch.ops.infopt.q4_linear_native if op == "native" else cpu_q8.q4_linear_eager
+    q8w = torch.ops.infopt.q8w_linear_native if op == "native" else cpu_q8.q8w_linear_eager
+    wq, s, z, _ = int4_layer_operands(8, 128, 64, 0)
+    w8, s8 = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8)
+    with pytest.raises(ValueError, match=r"activations \[rows, 64\], got \[1, 96\]"):     # K unlike the weight's
+        q8w(torch.zeros(1, 96), w8, s8)
+    with pytest.raises(ValueError, match=r"activations \[rows, 128\]"):
+        q4(torch.zeros(1, 64), wq, s, z, 64)
+    with pytest.raises(ValueError, match="dtype torch.float32"):
+        q4(torch.zeros(1, 128), wq, s.double(), z, 64)
+    with pytest.raises(ValueError, match="not contiguous"):
+        q8w(torch.zeros(1, 8), torch.zeros(64, 8, dtype=torch.int8).T, s8)
+    if op == "native":                            # shapes the Python registration leaves to the layer's own checks
+        with pytest.raises(ValueError, match="one scale per output row"):
+            q8w(torch.zeros(1, 64), w8, torch.ones(4))
+        with pytest.raises(ValueError, match="group size that is a multiple of 32"):
+            q4(torch.zeros(1, 128), wq, s, z, 48)
+        with pytest.raises(ValueError, match=r"scales and zeros \[8, 2\]"):
+            q4(torch.zeros(1, 128), wq, s[:, :1].contiguous(), z, 64)
+
+
+def test_without_a_cpp_compiler_the_python_registration_is_used_and_the_reason_named(monkeypatch):
+    monkeypatch.setattr(cpu_q8, "_cxx_compiler", lambda: None)
+    loaded, why = cpu_q8._native.__wrapped__()            # the uncached call: this process's operators stay loaded
+    assert not loaded and why is not None
+    assert "no C++ compiler" in why or why == cpu_q8.why_not()
+
+
+@needs_kernel
+def test_a_compiled_step_on_the_python_registration_equals_eager(tiny, monkeypatch):
+    """Where the C++ operators do not build, the compiled graph calls the Python-registered ones: same tokens."""
+    monkeypatch.setattr(cpu_q8, "operators", lambda: (torch.ops.infopt.q4_linear, torch.ops.infopt.q8w_linear))
+    model, tok = tiny
+    q8 = lab.quantize_model(model, "int8")
+    lab.use_q8_kernel(q8)
+    layer = next(m for m in q8.modules() if isinstance(m, QuantLinear))
+    assert layer.kernels.paths[0].q8w is torch.ops.infopt.q8w_linear
+    eager = lab.generate(q8, tok, "def add(a, b):\n", max_new_tokens=6, stop_at_eos=False)
+    compiled = lab.generate(q8, tok, "def add(a, b):\n", max_new_tokens=6, stop_at_eos=False, compile=True)
+    assert compiled.token_ids == eager.token_ids
