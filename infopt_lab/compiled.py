@@ -99,13 +99,19 @@ def _lowering_mark():
 
 
 def cpu_backend(gm, example_inputs):
-    """Inductor with one-row float products lowered to its own reduction (the C++ backend)."""
+    """Inductor with one-row float products lowered to its own reduction (the C++ backend).
+
+    Without the graph's own size asserts: its Python wrapper would check every input's sizes and strides, which
+    dynamo's guards have already checked before the call, and every quantized product's output against its
+    fake, which tests/test_cpu_q8.py holds to the kernel. On SmolLM2 (about 490 inputs, 121 products) the
+    checks cost about a millisecond of each decode step (`infopt-lab bench --only overhead` shows the step)."""
     from torch._inductor.compile_fx import compile_fx
     mark = _lowering_mark()
     if mark is None:
-        return compile_fx(gm, example_inputs, decompositions=dict(_cpu_decompositions()))   # a plain dict
+        return compile_fx(gm, example_inputs, decompositions=dict(_cpu_decompositions()),   # a plain dict
+                          config_patches={"size_asserts": False})
     return compile_fx(gm, example_inputs, decompositions=_cpu_decompositions(),
-                      config_patches={"post_grad_custom_post_pass": mark})
+                      config_patches={"post_grad_custom_post_pass": mark, "size_asserts": False})
 
 
 def compile_options(device: torch.device) -> dict:
