@@ -269,15 +269,18 @@ class Q8Kernel(KernelPath):
     def __init__(self, max_rows: int):
         super().__init__(0, max_rows)
         self.scales = DerivedOperands(("scales",), lambda s: s.float().contiguous())     # (N,) or (N, K/G) fp32
-        self.q4, self.q8w = operators()          # chosen here, outside any trace: a compiled graph calls them
+        self.native = _native()[0]               # chosen here, outside any trace, where a build may start
 
     def matmul(self, x2: Tensor, layer) -> Tensor:
         scales = layer.scales
         if scales.dtype != torch.float32 or not scales.is_contiguous():     # a bf16 model: an fp32 copy, kept
             scales = self.scales.get(layer)
+        ops = torch.ops.infopt                   # looked up per call: an operator object cannot be deep-copied
         if layer.scheme == "int8":
-            return self.q8w(x2, layer.weight_q, scales)
-        return self.q4(x2, layer.weight_q, scales, layer.zeros, layer.group_size)
+            q8w = ops.q8w_linear_native if self.native else ops.q8w_linear
+            return q8w(x2, layer.weight_q, scales)
+        q4 = ops.q4_linear_native if self.native else ops.q4_linear
+        return q4(x2, layer.weight_q, scales, layer.zeros, layer.group_size)
 
     def forget(self) -> None:
         self.scales.forget()

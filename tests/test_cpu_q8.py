@@ -221,12 +221,13 @@ def test_without_a_cpp_compiler_the_python_registration_is_used_and_the_reason_n
 @needs_kernel
 def test_a_compiled_step_on_the_python_registration_equals_eager(tiny, monkeypatch):
     """Where the C++ operators do not build, the compiled graph calls the Python-registered ones: same tokens."""
-    monkeypatch.setattr(cpu_q8, "operators", lambda: (torch.ops.infopt.q4_linear, torch.ops.infopt.q8w_linear))
+    monkeypatch.setattr(cpu_q8, "_native", lambda: (False, "as on a machine without a C++ compiler"))
     model, tok = tiny
     q8 = lab.quantize_model(model, "int8")
     lab.use_q8_kernel(q8)
     layer = next(m for m in q8.modules() if isinstance(m, QuantLinear))
-    assert layer.kernels.paths[0].q8w is torch.ops.infopt.q8w_linear
+    assert layer.kernels.paths[0].native is False
+    copy.deepcopy(q8)                                            # a switched model still copies
     eager = lab.generate(q8, tok, "def add(a, b):\n", max_new_tokens=6, stop_at_eos=False)
     compiled = lab.generate(q8, tok, "def add(a, b):\n", max_new_tokens=6, stop_at_eos=False, compile=True)
     assert compiled.token_ids == eager.token_ids
