@@ -140,6 +140,7 @@ def _native() -> tuple[bool, str | None]:
     path = _library_path(cc, cxx)
     try:
         if not path.exists():
+            print("building the q8 kernel's C++ operators against PyTorch's headers (once, about ten seconds)...")
             _build(cc, path, cxx)
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:

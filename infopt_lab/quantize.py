@@ -17,8 +17,7 @@ from torch import Tensor, nn
 
 from . import validate
 from .invariant import rowwise
-from .quant_format import QuantEmbedding, dequantize, pack_int4, unpack_int4   # the stored format (and the
-                                                                                # embedding that reads a head's)
+from .quant_format import QuantEmbedding, dequantize, pack_int4, unpack_int4   # the stored format, its embedding
 from .quant_format import (INT4_KERNEL_GROUPS, int4_kernel_group,  # noqa: F401  (re-exported: their old home)
                            pack_int4_for_cpu_kernel)
 from .quant_kernels import (DEQUANT_MATMUL, INT4_KERNEL, INT8_KERNEL, Q8_KERNEL, KernelChoice, choose_kernels,
@@ -327,8 +326,8 @@ def use_q8_kernel(model: nn.Module) -> int:
 
     Calls of up to cpu_q8.Q8_MAX_ROWS rows (decode steps) run kernels/q8_dot.c: activations quantized to int8 in blocks
     of 32, as llama.cpp does, so its tokens are measured against the PyTorch kernels', not promised equal.
-    Longer calls keep the PyTorch paths. In place; returns how many layers switched (a layer whose shape the
-    kernel cannot take keeps its path). Raises ValueError where the kernel cannot run here, saying why.
+    Longer calls keep the PyTorch paths. In place; returns how many layers switched (a layer of a shape it cannot
+    take keeps its path). Raises ValueError where the kernel cannot run here, saying why; says how it is called.
     """
     from . import cpu_q8
     validate.instance("model", model, nn.Module, "a quantized model (from lab.quantize_model)")
@@ -345,6 +344,8 @@ def use_q8_kernel(model: nn.Module) -> int:
             switched += 1
         except ValueError:                                    # this layer's shape: it keeps its path
             pass
+    if switched and (why := cpu_q8.native_why_not()) is not None:
+        print(f"q8 kernel: called through its Python registration, tens of microseconds more a call ({why})")
     return switched
 
 

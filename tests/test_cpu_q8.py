@@ -219,12 +219,14 @@ def test_without_a_cpp_compiler_the_python_registration_is_used_and_the_reason_n
 
 
 @needs_kernel
-def test_a_compiled_step_on_the_python_registration_equals_eager(tiny, monkeypatch):
-    """Where the C++ operators do not build, the compiled graph calls the Python-registered ones: same tokens."""
+def test_a_compiled_step_on_the_python_registration_equals_eager(tiny, monkeypatch, capsys):
+    """Where the C++ operators do not build, the compiled graph calls the Python-registered ones: same tokens,
+    and switching says so in one line."""
     monkeypatch.setattr(cpu_q8, "_native", lambda: (False, "as on a machine without a C++ compiler"))
     model, tok = tiny
     q8 = lab.quantize_model(model, "int8")
     lab.use_q8_kernel(q8)
+    assert "Python registration" in capsys.readouterr().out
     layer = next(m for m in q8.modules() if isinstance(m, QuantLinear))
     assert layer.kernels.paths[0].native is False
     copy.deepcopy(q8)                                            # a switched model still copies
