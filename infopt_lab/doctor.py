@@ -25,6 +25,17 @@ def _bundled_models() -> tuple[list[str], list[str]]:
     return lines, problems
 
 
+def _q8_kernel() -> str:
+    """How a quantized decode step's hand-written kernel (lab.use_q8_kernel) runs here, or why it does not:
+    optional, so never a problem (PyTorch's kernels serve without it)."""
+    from . import cpu_q8
+    if cpu_q8.why_not() is not None:
+        return f"the hand-written int8-activation kernel does not run here ({cpu_q8.why_not()}); PyTorch's kernels serve"
+    if cpu_q8.native_why_not() is not None:
+        return f"built; compiled steps call it through its Python registration ({cpu_q8.native_why_not()})"
+    return "built, with its C++ operators (compiled steps call it without Python)"
+
+
 def run_doctor() -> int:
     """Print the report; exit status 1 when a problem was found."""
     problems = []
@@ -37,6 +48,7 @@ def run_doctor() -> int:
                             "run `pip install -r requirements.txt`")
         else:
             print(f"note    : no Triton on {sys.platform} (expected): kernels use their PyTorch references")
+    print(f"q8      : {_q8_kernel()}")
     lines, model_problems = _bundled_models()
     print("models  :")
     for line in lines:

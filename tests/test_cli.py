@@ -9,6 +9,18 @@ def test_doctor_finds_no_problem(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "target :" in out and "draft  :" in out and "no problems found" in out
+    assert "q8      : " in out                              # the hand-written kernel's state, whatever it is
+
+
+def test_doctor_says_how_the_q8_kernel_runs(capsys, monkeypatch):
+    from infopt_lab import cpu_q8
+    monkeypatch.setattr(cpu_q8, "why_not", lambda: None)
+    monkeypatch.setattr(cpu_q8, "native_why_not", lambda: "no C++ compiler")
+    assert main(["doctor"]) == 0
+    assert "through its Python registration (no C++ compiler)" in capsys.readouterr().out
+    monkeypatch.setattr(cpu_q8, "why_not", lambda: "the CPU lacks AVX2")
+    assert main(["doctor"]) == 0                                 # optional: never a problem
+    assert "does not run here (the CPU lacks AVX2)" in capsys.readouterr().out
 
 
 def test_bench_decode_matches_transformers_tokens(tiny_dir):
