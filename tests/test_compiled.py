@@ -157,6 +157,9 @@ def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cp
     assert r.values["int8"]["streamed_bytes"] < r.values["fp32"]["streamed_bytes"] / 3
     assert "llama-cpp-python is not installed: pip install x" in text and "llama.cpp" not in r.values
     assert r.values["engine_int8_compiled"]["scaling"] > 0 and set(r.values["int8_rows_cost"]) == {1, 2}
+    if q8:                                                         # the engine on the hand-written kernel too
+        assert r.values["engine_int8_q8_compiled"]["scaling"] > 0 and set(r.values["int8_q8_rows_cost"]) == {1, 2}
+        assert "engine, int8 (q8 kernel) compiled" in text
     assert set(r.values["q8_rows_cost"]) == ({"int8"} if q8 else set())
     assert all(v > 0 for ratios in r.values["q8_rows_cost"].values() for v in ratios.values())
     monkeypatch.setattr(overhead, "llama_cpp_missing", lambda: None)

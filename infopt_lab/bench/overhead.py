@@ -156,17 +156,23 @@ def time_contenders(models: dict, tok, prompt: str, new_tokens: int, repeats: in
                  {name: best[name].tpot_s for name in fns}, best)
 
 
-def engine_rows(r: Result, int8, tok, prompt: str, batch: int) -> dict:
-    """The engine's compiled int8 decode at `batch` against batch 1, and what `batch` rows cost its int8 kernel."""
+def engine_rows(r: Result, name: str, int8, tok, prompt: str, batch: int) -> dict:
+    """The engine's compiled int8 decode at `batch` against batch 1, and what `batch` rows cost its int8 kernel.
+
+    `name` is "int8" (PyTorch's kernel) or "int8 (q8 kernel)": a faster kernel at one row can scale less with
+    the batch, where its products at `batch` rows are bound by the CPU's multiplies, not by the weights' bytes.
+    """
+    key = "int8" if name == "int8" else "int8_q8"
     layer = int8.layers[0].mlp.fused.layer if int8.layers[0].mlp.fused else int8.layers[0].mlp.up_proj
     cost = rows_cost(layer, (1, batch))
-    r.add("int8 kernel, one MLP product", f"{batch} rows cost {cost[batch] / cost[1]:.1f}x one row "
-                                          f"({cost[1] * 1e6:.0f} us for one)")
+    r.add(f"{name}{'' if name.endswith(Q8) else ' kernel'}, one MLP product",
+          f"{batch} rows cost {cost[batch] / cost[1]:.1f}x one row ({cost[1] * 1e6:.0f} us for one)")
     one = decode_throughput(int8, tok, 1, new_tokens=32, prompt=prompt, compile=True)
     many = decode_throughput(int8, tok, batch, new_tokens=32, prompt=prompt, compile=True)
-    r.add("engine, int8 compiled", f"batch {batch}: {many:.1f} decode tokens/s, {many / one:.2f}x batch 1 ({one:.1f})")
-    return {"int8_rows_cost": {n: c / cost[1] for n, c in cost.items()},
-            "engine_int8_compiled": {"batch_1": one, f"batch_{batch}": many, "scaling": many / one}}
+    r.add(f"engine, {name} compiled",
+          f"batch {batch}: {many:.1f} decode tokens/s, {many / one:.2f}x batch 1 ({one:.1f})")
+    return {f"{key}_rows_cost": {n: c / cost[1] for n, c in cost.items()},
+            f"engine_{key}_compiled": {"batch_1": one, f"batch_{batch}": many, "scaling": many / one}}
 
 
 def q8_rows(r: Result, models: dict, rows: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
@@ -203,7 +209,8 @@ def llama_for(model_name: str, against: str | None) -> tuple[LlamaCpp | None, st
 def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None, new_tokens: int = 64,
                    repeats: int = 3, prompt: str = DEFAULT_PROMPT, engine_batch: int = 8,
                    precisions: tuple[str, ...] | None = None) -> Result:
-    """Eager vs compiled decoding per precision, the memory wall, the engine's compiled batch (int8), and llama.cpp."""
+    """Eager vs compiled decoding per precision, the memory wall, the engine's compiled batch (int8, on each
+    kernel), and llama.cpp."""
     from ..validate import choice
     choice("against", against, (*AGAINST, None))
     precisions = default_precisions() if precisions is None else precisions
@@ -253,8 +260,9 @@ def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None,
     elif why_not is not None:
         r.add("llama.cpp", why_not)
     values.update(q8_rows(r, models))
-    if engine_batch > 1 and "int8" in models:
-        values.update(engine_rows(r, models["int8"], tok, prompt, engine_batch))
+    for name in ("int8", "int8" + Q8):
+        if engine_batch > 1 and name in models:
+            values.update(engine_rows(r, name, models[name], tok, prompt, engine_batch))
     r.values = values
     return r
 
