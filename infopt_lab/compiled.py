@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_q8
 from .kv_cache import KVCache, cache_slots
 
 aten = torch.ops.aten
@@ -136,6 +137,8 @@ class StaticLayer:
         keys = torch.arange(self.k.shape[2], device=q.device)
         mask = keys[None, :] <= input_pos[:, None]                                      # (T, S)
         if q.device.type == "cpu" and q.shape[2] == 1 and torch.compiler.is_compiling():
+            if q.dtype == self.k.dtype == torch.float32 and cpu_q8.native_loaded():
+                return torch.ops.infopt.one_query_attention(q, self.k, self.v, input_pos)   # kernels/attention.c
             return self._one_query(q, mask[0])
         return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask,
                                               enable_gqa=q.shape[1] != self.k.shape[1])
@@ -144,7 +147,9 @@ class StaticLayer:
         """One new token's attention in a compiled CPU step, as products, a softmax and sums that inductor fuses
         into loops of its own: PyTorch's attention kernel has a fixed cost per call far above one query's work
         (`bench.overhead.step_profile` shows it). Query heads share their key head in groups, as enable_gqa does;
-        summed in fp32. Eager steps keep PyTorch's kernel."""
+        summed in fp32. Eager steps keep PyTorch's kernel. In fp32, where the C++ operators load, the step calls
+        infopt::one_query_attention instead: kernels/attention.c reads only the visible positions, where these
+        loops run over the whole cache."""
         B, H, _, D = q.shape
         h_kv = self.k.shape[1]
         qg = q.reshape(B, h_kv, H // h_kv, 1, D).float()                            # (B, H_kv, g, 1, D)
@@ -244,6 +249,8 @@ class CompiledModel:
         first = key not in self.compile_s
         if first:
             freeze_fusions(self.model)
+            if self.device.type == "cpu":
+                cpu_q8.native_why_not()              # the C++ operators built and loaded before the trace reads them
             # inductor's C++ backend warns, on a machine without CUDA, that it found no CUDA runtime
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
             if self.verbose:

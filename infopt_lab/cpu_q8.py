@@ -31,6 +31,7 @@ from .quant_kernels import PATHS, Q8_KERNEL, DerivedOperands, KernelPath, int4_c
 
 SOURCE = Path(__file__).parent / "kernels" / "q8_dot.c"
 NATIVE_SOURCE = Path(__file__).parent / "kernels" / "q8_ops.cpp"
+ATTENTION_SOURCE = Path(__file__).parent / "kernels" / "attention.c"   # linked into the C++ operators only
 BLOCK = 32                     # activations per quantization block: K and the int4 group size are multiples of it
 C_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC")
 FLAGS = (*C_FLAGS, "-shared")
@@ -67,7 +68,7 @@ def _openmp_flags() -> list[str]:
 def _library_path(cc: str, cxx: str | None = None) -> Path:
     """Where the build of this source, compiler, CPU and torch lives: q8_dot-KEY.so, or q8_ops-KEY.so with cxx."""
     from .hub import cache_root
-    sources = SOURCE.read_bytes() + (NATIVE_SOURCE.read_bytes() if cxx else b"")
+    sources = SOURCE.read_bytes() + (NATIVE_SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes() if cxx else b"")
     flags = (cc, *FLAGS, *((cxx, *CXX_FLAGS) if cxx else ()), *sorted(cpu_flags()))
     key = hashlib.sha256(sources + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"{'q8_ops' if cxx else 'q8_dot'}-{key}.so"
@@ -95,9 +96,10 @@ def _build(cc: str, out: Path, cxx: str | None = None) -> None:
         if cxx is None:
             _run([cc, *FLAGS, str(SOURCE), "-o", str(built), *_openmp_flags(), "-lm"])
         else:
-            obj = Path(tmp) / "q8_dot.o"
-            _run([cc, *C_FLAGS, "-fopenmp", "-fvisibility=hidden", "-c", str(SOURCE), "-o", str(obj)])
-            _run([cxx, *CXX_FLAGS, str(NATIVE_SOURCE), str(obj), "-o", str(built), *_torch_link_flags(),
+            objs = [str(Path(tmp) / f"{src.stem}.o") for src in (SOURCE, ATTENTION_SOURCE)]
+            for src, obj in zip((SOURCE, ATTENTION_SOURCE), objs):
+                _run([cc, *C_FLAGS, "-fopenmp", "-fvisibility=hidden", "-c", str(src), "-o", obj])
+            _run([cxx, *CXX_FLAGS, str(NATIVE_SOURCE), *objs, "-o", str(built), *_torch_link_flags(),
                   *_openmp_flags(), "-lm"])
         os.replace(built, out)
     stem = out.name.partition("-")[0]
@@ -140,14 +142,26 @@ def _native() -> tuple[bool, str | None]:
     path = _library_path(cc, cxx)
     try:
         if not path.exists():
-            print("building the q8 kernel's C++ operators against PyTorch's headers (once, about ten seconds)...")
+            print("building the decode step's C++ operators (the q8 kernel, one-query attention) against PyTorch's "
+                  "headers (once, about ten seconds)...")
             _build(cc, path, cxx)
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return False, f"the C++ operators did not build or load: {e}"
     for name in ("q4_linear_native", "q8w_linear_native"):
         torch.library.register_fake(f"infopt::{name}", _FAKES[name.removesuffix("_native")])
+    torch.library.register_fake("infopt::one_query_attention", lambda q, k, v, input_pos: q.new_empty(q.shape))
+    _LOADED[0] = True
     return True, None
+
+
+def native_loaded() -> bool:
+    """Whether the C++ operators are loaded in this process, without building or loading them (a trace asks
+    this: no build may start inside one, and it reads a flag where it could not call into the cache)."""
+    return _LOADED[0]
+
+
+_LOADED = [False]                                  # set by _native once the operators load
 
 
 def native_why_not() -> str | None:

@@ -214,9 +214,16 @@ def test_a_compiled_step_is_read_back_from_inductors_cache_under_its_own_key(tin
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, dtype", [(6, 2, 40, torch.float32), (3, 3, 24, torch.float32),
                                                              (6, 3, 40, torch.bfloat16)])
-def test_one_query_attention_in_a_compiled_step_equals_pytorchs_kernel(heads, kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("operator", [False, True], ids=["loops", "operator"])
+def test_one_query_attention_in_a_compiled_step_equals_pytorchs_kernel(heads, kv_heads, head_dim, dtype, operator,
+                                                                       monkeypatch):
     """The compiled CPU step's own one-token attention against the eager step's scaled_dot_product_attention, on
-    grouped and plain heads, head sizes that are not powers of two, a half-filled cache, fp32 and bf16."""
+    grouped and plain heads, head sizes that are not powers of two, a half-filled cache, fp32 and bf16: inductor's
+    loops, and in fp32 the C++ operator (kernels/attention.c) where it builds."""
+    from infopt_lab import cpu_q8
+    if operator and cpu_q8.native_why_not() is not None:
+        pytest.skip(cpu_q8.native_why_not())
+    monkeypatch.setattr(cpu_q8, "_LOADED", [operator])
     g = torch.Generator().manual_seed(heads * head_dim)
     S, filled = 16, 9
     k, v = (torch.randn(1, kv_heads, S, head_dim, generator=g).to(dtype) for _ in range(2))
@@ -226,8 +233,15 @@ def test_one_query_attention_in_a_compiled_step_equals_pytorchs_kernel(heads, kv
     def attend(layer, q, k_new, v_new, pos):
         return layer.attend(0, q, k_new, v_new, pos)
 
-    traced = torch.compile(attend, backend="eager", fullgraph=True)    # traced, so the compiled branch runs
+    graphs = []
+
+    def backend(gm, example_inputs):                                    # traced, so the compiled branch runs
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    traced = torch.compile(attend, backend=backend, fullgraph=True)
     got = traced(compiled_mod.StaticLayer(k.clone(), v.clone()), q, k_new, v_new, pos)
+    assert ("one_query_attention" in graphs[0]) == (operator and dtype == torch.float32)
     want = attend(compiled_mod.StaticLayer(k.clone(), v.clone()), q, k_new, v_new, pos)
     torch._dynamo.reset()
     assert got.shape == want.shape == (1, heads, 1, head_dim) and got.dtype == dtype

@@ -1,5 +1,6 @@
 """The hand-written int8-activation CPU kernel (kernels/q8_dot.c through cpu_q8.py) and the path that uses it."""
 import copy
+import re
 
 import pytest
 import torch
@@ -233,3 +234,40 @@ def test_a_compiled_step_on_the_python_registration_equals_eager(tiny, monkeypat
     eager = lab.generate(q8, tok, "def add(a, b):\n", max_new_tokens=6, stop_at_eos=False)
     compiled = lab.generate(q8, tok, "def add(a, b):\n", max_new_tokens=6, stop_at_eos=False, compile=True)
     assert compiled.token_ids == eager.token_ids
+
+
+# -- kernels/attention.c: infopt::one_query_attention ----------------------------------------------------------
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), kv_heads=st.integers(1, 4), group=st.integers(1, 4), head_dim=st.integers(1, 80),
+       capacity=st.integers(1, 300), at=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_one_query_attention_equals_pytorchs_kernel_and_reads_only_visible_positions(batch, kv_heads, group,
+                                                                                    head_dim, capacity, at, seed):
+    """Any head size (tails of fewer than eight lanes), grouped and plain heads, any position in the cache; the
+    positions after it hold NaN, so reading one would show."""
+    g = torch.Generator().manual_seed(seed)
+    pos = min(int(at * capacity), capacity - 1)
+    q = torch.randn(batch, kv_heads * group, 1, head_dim, generator=g)
+    k, v = (torch.randn(batch, kv_heads, capacity, head_dim, generator=g) for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=(torch.arange(capacity) <= pos)[None],
+                                                            enable_gqa=group > 1)
+    k[:, :, pos + 1:], v[:, :, pos + 1:] = float("nan"), float("nan")
+    got = torch.ops.infopt.one_query_attention(q, k, v, torch.tensor([pos]))
+    assert got.shape == q.shape and got.is_contiguous()
+    assert (got - want).abs().max() <= 1e-5
+
+
+@needs_native
+def test_one_query_attention_refuses_what_it_cannot_read():
+    q, kv = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 4, 8)
+    call = torch.ops.infopt.one_query_attention
+    for args, says in [((q, kv, kv, torch.tensor([4])), "outside the cache's 4 positions"),
+                       ((q, kv, kv, torch.tensor([-1])), "outside the cache's 4 positions"),
+                       ((q, kv, kv, torch.tensor([1, 2])), "one int64 position"),
+                       ((q, kv, kv, torch.tensor([1.0])), "one int64 position"),
+                       ((q.bfloat16(), kv, kv, torch.tensor([1])), "fp32 CPU q, k and v"),
+                       ((torch.randn(1, 6, 2, 8), kv, kv, torch.tensor([1])), "one query per head"),
+                       ((torch.randn(1, 5, 1, 8), kv, kv, torch.tensor([1])), "a multiple of H_kv"),
+                       ((q, kv, torch.randn(1, 2, 5, 8), torch.tensor([1])), "of one shape")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            call(*args)

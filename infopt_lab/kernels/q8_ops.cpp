@@ -1,5 +1,6 @@
 // The products of q8_dot.c registered with PyTorch's dispatcher as C++ kernels: infopt::q4_linear_native and
-// infopt::q8w_linear_native.
+// infopt::q8w_linear_native; and attention.c's one-query attention over a static cache (compiled.py's
+// StaticLayer), infopt::one_query_attention.
 //
 // A compiled decode step calls the quantized product about a hundred and twenty times. Registered from Python
 // (cpu_q8.py's infopt::q4_linear and infopt::q8w_linear), each call crosses from the dispatcher back into the
@@ -14,6 +15,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 
 extern "C" {
@@ -21,6 +23,8 @@ int q4_linear(const float *x, int64_t rows, int64_t K, const uint8_t *w, const f
               const uint8_t *zeros, int64_t N, int64_t G, float *y, int nthreads);
 int q8w_linear(const float *x, int64_t rows, int64_t K, const int8_t *w, const float *scales, int64_t N,
                float *y, int nthreads);
+void one_query_attention(const float *q, const float *k, const float *v, int64_t B, int64_t H, int64_t Hkv,
+                         int64_t S, int64_t D, int64_t n, float scale, float *scores, float *out, int nthreads);
 }
 
 namespace {
@@ -81,14 +85,46 @@ at::Tensor q4_linear_native(const at::Tensor &x, const at::Tensor &weight_q, con
   return y;
 }
 
+// q [B, H, 1, D] at position input_pos (one int64) against the cache k, v [B, H_kv, S, D], which already holds
+// it: positions 0 .. input_pos visible. fp32 only (compiled.py keeps its own lowering for other dtypes).
+at::Tensor one_query_attention_native(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                                      const at::Tensor &input_pos) {
+  const char *op = "one_query_attention";
+  for (const at::Tensor *t : {&q, &k, &v})
+    TORCH_CHECK_VALUE(t->is_cpu() && t->scalar_type() == at::kFloat, op, " takes fp32 CPU q, k and v, got ",
+                      t->scalar_type(), " on ", t->device());
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.size(2) == 1, op, " takes one query per head, q [B, H, 1, D], got ",
+                    q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4 && k.sizes() == v.sizes(), op,
+                    " takes k and v [B, H_kv, S, D] of one shape, got ", k.sizes(), " and ", v.sizes());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK_VALUE(k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0, op,
+                    " takes q [B, H, 1, D] and k [B, H_kv, S, D] with H a multiple of H_kv, got ", q.sizes(),
+                    " and ", k.sizes());
+  TORCH_CHECK_VALUE(input_pos.is_cpu() && input_pos.numel() == 1 && input_pos.scalar_type() == at::kLong, op,
+                    " takes one int64 position on the CPU, got ", input_pos.scalar_type(), " ", input_pos.sizes());
+  const int64_t pos = input_pos.item<int64_t>();
+  TORCH_CHECK_VALUE(0 <= pos && pos < S, op, ": position ", pos, " is outside the cache's ", S, " positions");
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  at::Tensor out = at::empty({B, H, 1, D}, qc.options());
+  if (B * H * D == 0) return out;
+  at::Tensor scores = at::empty({B * H * (pos + 1)}, qc.options());
+  ::one_query_attention(qc.const_data_ptr<float>(), kc.const_data_ptr<float>(), vc.const_data_ptr<float>(), B, H,
+                        Hkv, S, D, pos + 1, 1.0f / std::sqrt(static_cast<float>(D)),
+                        scores.mutable_data_ptr<float>(), out.mutable_data_ptr<float>(), at::get_num_threads());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("q4_linear_native(Tensor x, Tensor weight_q, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("q8w_linear_native(Tensor x, Tensor weight_q, Tensor scales) -> Tensor");
+  m.def("one_query_attention(Tensor q, Tensor k, Tensor v, Tensor input_pos) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infopt, CPU, m) {
   m.impl("q4_linear_native", &q4_linear_native);
   m.impl("q8w_linear_native", &q8w_linear_native);
+  m.impl("one_query_attention", &one_query_attention_native);
 }
