@@ -10,7 +10,11 @@ A compiled step calls them as operators. Where a C++ compiler (`c++`, or $CXX) b
 against PyTorch's headers (about ten seconds, once), they are `infopt::q4_linear_native` and
 `infopt::q8w_linear_native`, C++ kernels the dispatcher calls directly; elsewhere `infopt::q4_linear` and
 `infopt::q8w_linear`, registered from Python, which cost tens of microseconds more a call.
-`native_why_not()` says why the C++ operators are not in use.
+`native_why_not()` says why the C++ operators are not in use. The same build registers
+`infopt::one_query_attention` (kernels/attention.c), a compiled CPU step's attention for one new token.
+
+This module depends on nothing else in the package, so that compiled.py can read whether the operators are
+loaded; the kernel as a path a quantized layer computes with is q8_path.py's.
 """
 from __future__ import annotations
 
@@ -27,7 +31,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .quant_kernels import PATHS, Q8_KERNEL, DerivedOperands, KernelPath, int4_cpu_paths, int8_paths
 
 SOURCE = Path(__file__).parent / "kernels" / "q8_dot.c"
 NATIVE_SOURCE = Path(__file__).parent / "kernels" / "q8_ops.cpp"
@@ -275,58 +278,10 @@ def q8w_linear(x: Tensor, weight_q: Tensor, scales: Tensor) -> Tensor:
     return operators()[1](x, weight_q, scales)
 
 
-# -- the path a QuantLinear computes with (quant_kernels.KernelChoice) --------------------------------------
-class Q8Kernel(KernelPath):
-    """The hand-written CPU kernel (kernels/q8_dot.c): activations quantized to int8 in blocks of 32,
-    byte products summed 32 at a time, the layer's own integers read as stored. Each row alone: batch-invariant."""
-    name = Q8_KERNEL
-
-    def __init__(self, max_rows: int):
-        super().__init__(0, max_rows)
-        self.scales = DerivedOperands(("scales",), lambda s: s.float().contiguous())     # (N,) or (N, K/G) fp32
-        self.native = _native()[0]               # chosen here, outside any trace, where a build may start
-
-    def matmul(self, x2: Tensor, layer) -> Tensor:
-        scales = layer.scales
-        if scales.dtype != torch.float32 or not scales.is_contiguous():     # a bf16 model: an fp32 copy, kept
-            scales = self.scales.get(layer)
-        ops = torch.ops.infopt                   # looked up per call: an operator object cannot be deep-copied
-        if layer.scheme == "int8":
-            q8w = ops.q8w_linear_native if self.native else ops.q8w_linear
-            return q8w(x2, layer.weight_q, scales)
-        q4 = ops.q4_linear_native if self.native else ops.q4_linear
-        return q4(x2, layer.weight_q, scales, layer.zeros, layer.group_size)
-
-    def forget(self) -> None:
-        self.scales.forget()
-
-    def cached_bytes(self) -> int:
-        return self.scales.nbytes()
-
-
 # Up to how many rows a call runs the hand-written kernel; more go to the layer's PyTorch paths. Its cost
 # grows with the rows (each row's byte products are its own work) where PyTorch's kernels share more work
 # between rows: `infopt-lab bench --only overhead` measures both by rows on the CPU it runs on.
 Q8_MAX_ROWS = {"int8": 8, "int4": 8}
-
-
-def q8_paths(layer, device: torch.device, dtype: torch.dtype) -> tuple[tuple[KernelPath, ...], torch.dtype]:
-    """The hand-written kernel for calls of few rows, then the layer's PyTorch paths; ValueError where it cannot run."""
-    if device.type != "cpu":
-        raise ValueError(f"the hand-written kernel runs on a CPU, not {device.type}")
-    reason = why_not() or takes(layer.in_features, layer.group_size if layer.scheme == "int4" else None)
-    if reason is not None:
-        raise ValueError(reason)
-    limit = Q8_MAX_ROWS[layer.scheme]
-    try:
-        rest, compute = (int8_paths if layer.scheme == "int8" else int4_cpu_paths)(layer, device, dtype)
-    except ValueError:                                    # PyTorch's int4 kernel cannot take the shape
-        rest, compute = (), dtype
-    rest = tuple(p for p in rest if p.max_rows is None or p.max_rows > limit)
-    for p in rest:
-        p.min_rows = max(p.min_rows, limit + 1)
-    return (Q8Kernel(limit), *rest), compute
-
 
 
 def reference(x: Tensor, weight: Tensor) -> Tensor:
@@ -341,6 +296,3 @@ def reference(x: Tensor, weight: Tensor) -> Tensor:
     a = torch.round(blocks * inv)                                                         # half to even, as lrintf
     d = amax / 127.0
     return (a.double() * d.double()).reshape(x.shape[0], -1) @ weight.double().T
-
-
-PATHS[Q8_KERNEL] = q8_paths      # kernel_choice(layer, Q8_KERNEL, ...) once this module is imported

@@ -8,7 +8,7 @@ kernel. Everywhere else, and for calls of more rows than a kernel takes, the fal
 float copy, then F.linear. `choose_kernels` probes what runs once, when a layer is made or moved, and
 returns a `KernelChoice`: the paths by rows per call, and why the layer falls back if it does.
 
-One path is the course's own and is chosen only when asked for (`quantize.use_q8_kernel`): cpu_q8.Q8Kernel, the
+One path is the course's own and is chosen only when asked for (`quantize.use_q8_kernel`): q8_path.Q8Kernel, the
 hand-written CPU kernel of kernels/q8_dot.c, which quantizes the activations to int8 as llama.cpp does and
 so computes other numbers than the PyTorch kernels (the same integers, activations rounded differently).
 """
@@ -301,7 +301,7 @@ def int4_cpu_paths(layer, device: torch.device, dtype: torch.dtype) -> tuple[tup
 
 PATHS = {INT8_KERNEL: int8_paths, INT4_KERNEL: int4_cpu_paths,
          TRITON_INT4: lambda layer, device, dtype: ((TritonInt4(),), dtype),
-         DEQUANT_MATMUL: lambda layer, device, dtype: ((), dtype)}   # and Q8_KERNEL, which cpu_q8 adds
+         DEQUANT_MATMUL: lambda layer, device, dtype: ((), dtype)}   # and Q8_KERNEL, which q8_path adds
 
 
 def kernel_choice(layer, path: str, device: torch.device | str, dtype: torch.dtype,
