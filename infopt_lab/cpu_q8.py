@@ -279,9 +279,11 @@ def q8w_linear(x: Tensor, weight_q: Tensor, scales: Tensor) -> Tensor:
 
 
 # Up to how many rows a call runs the hand-written kernel; more go to the layer's PyTorch paths. Its cost
-# grows with the rows (each row's byte products are its own work) where PyTorch's kernels share more work
-# between rows: `infopt-lab bench --only overhead` measures both by rows on the CPU it runs on.
-Q8_MAX_ROWS = {"int8": 8, "int4": 8}
+# grows with the rows (each row's byte products are its own work), and on a CPU with AMX or VNNI PyTorch's
+# kernels share more work between rows; on an AVX2 CPU without them (a Zen 1 EPYC) it stayed the faster up to
+# the 64 rows measured. 16 takes decode steps, small batches, verify passes and a short prompt's prefill (the
+# first token's wait); `infopt-lab bench --only overhead` measures both by rows on the CPU it runs on.
+Q8_MAX_ROWS = {"int8": 16, "int4": 16}
 
 
 def reference(x: Tensor, weight: Tensor) -> Tensor:

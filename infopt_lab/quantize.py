@@ -324,8 +324,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
 def use_q8_kernel(model: nn.Module) -> int:
     """Switch a quantized model's layers on a CPU to the hand-written int8-activation kernel (q8_path.Q8Kernel).
 
-    Calls of up to cpu_q8.Q8_MAX_ROWS rows (decode steps) run kernels/q8_dot.c: activations quantized to int8 in blocks
-    of 32, as llama.cpp does, so its tokens are measured against the PyTorch kernels', not promised equal.
+    Calls of up to cpu_q8.Q8_MAX_ROWS rows (decode steps, short prefills) run kernels/q8_dot.c: activations
+    quantized to int8 in blocks of 32, as llama.cpp does, so its tokens are measured against PyTorch's kernels'.
     Longer calls keep the PyTorch paths. In place; returns how many layers switched (a layer of a shape it cannot
     take keeps its path). Raises ValueError where the kernel cannot run here, saying why; says how it is called.
     """

@@ -175,7 +175,7 @@ def engine_rows(r: Result, name: str, int8, tok, prompt: str, batch: int) -> dic
             f"engine_{key}_compiled": {"batch_1": one, f"batch_{batch}": many, "scaling": many / one}}
 
 
-def q8_rows(r: Result, models: dict, rows: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+def q8_rows(r: Result, models: dict, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict:
     """One MLP product of each quantized model by rows: PyTorch's kernels against the hand-written one."""
     from ..cpu_q8 import Q8_MAX_ROWS
     found = {}
