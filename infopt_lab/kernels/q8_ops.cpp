@@ -103,7 +103,7 @@ at::Tensor one_query_attention_native(const at::Tensor &q, const at::Tensor &k, 
                     " and ", k.sizes());
   TORCH_CHECK_VALUE(input_pos.is_cpu() && input_pos.numel() == 1 && input_pos.scalar_type() == at::kLong, op,
                     " takes one int64 position on the CPU, got ", input_pos.scalar_type(), " ", input_pos.sizes());
-  const int64_t pos = input_pos.item<int64_t>();
+  const int64_t pos = *input_pos.const_data_ptr<int64_t>();  // read in place: item() is a dispatched call
   TORCH_CHECK_VALUE(0 <= pos && pos < S, op, ": position ", pos, " is outside the cache's ", S, " positions");
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   at::Tensor out = at::empty({B, H, 1, D}, qc.options());
