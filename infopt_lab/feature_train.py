@@ -176,12 +176,15 @@ def coverage(choices: Tensor, token_ids: Tensor) -> float:
 
 # -- training ----------------------------------------------------------------------------------
 def draft_loss(draft: FeatureDraft, feats: Tensor, tokens: Tensor, lengths: Tensor, unroll: int = 2,
-               cls_weight: float = 0.1) -> tuple[Tensor, dict]:
+               cls_weight: float = 0.1, reg_weight: float = 1.0, normed: bool = True) -> tuple[Tensor, dict]:
     """Feature regression (smooth L1) plus cross-entropy to the target's distribution over the covered tokens.
 
     feats [B, T, C] (fp32), tokens [B, T]. Row j reads (h_j, x_{j+1}) and must give h_{j+1}. With unroll = 2
     the same windows run again with the first pass's guesses in place of the features (shifted by one), as
     the draft's second proposal reads its own guess: training as it is used (EAGLE-3's training-time test).
+    `normed=True` compares the features after the target's final norm, the space its head reads: a
+    pre-norm last hidden state carries a few channels hundreds of times larger than the rest (SmolLM2's),
+    which would otherwise dominate the regression.
     """
     B, T, C = feats.shape
     h_in, x_in, h_out = feats[:, :-1], tokens[:, 1:], feats[:, 1:]
@@ -195,10 +198,11 @@ def draft_loss(draft: FeatureDraft, feats: Tensor, tokens: Tensor, lengths: Tens
         if step:
             guess = torch.cat([h_in[:, :1], guess[:, :-1]], dim=1)             # row j reads the guess of h_j
         guess = draft.hidden(guess if step else h_in, x_in, pos)
-        reg = (F.smooth_l1_loss(guess, h_out, reduction="none").mean(-1) * valid).sum() / valid.sum()
+        a, b = (draft.target.norm(guess), draft.target.norm(h_out)) if normed else (guess, h_out)
+        reg = (F.smooth_l1_loss(a, b, reduction="none").mean(-1) * valid).sum() / valid.sum()
         logp = draft.covered_logits(guess).float().log_softmax(-1)
         cls = (-(p * logp).sum(-1) * valid).sum() / valid.sum()
-        total = total + reg + cls_weight * cls
+        total = total + reg_weight * reg + cls_weight * cls
         stats[f"top1_{step + 1}"] = float(((logp.argmax(-1) == want).float() * valid).sum() / valid.sum())
         stats[f"reg_{step + 1}"], stats[f"cls_{step + 1}"] = reg.item(), cls.item()
     return total / unroll, stats
@@ -207,11 +211,13 @@ def draft_loss(draft: FeatureDraft, feats: Tensor, tokens: Tensor, lengths: Tens
 def train_draft(draft: FeatureDraft, data: FeatureData, steps: int, batch_size: int = 8, lr: float = 1e-3,
                 warmup: int = 50, unroll: int = 2, seed: int = 0, val: FeatureData | None = None,
                 log: str | Path | None = None, eval_every: int = 100, max_minutes: float | None = None,
-                cls_weight: float = 0.1, progress: bool = True) -> list[dict]:
+                cls_weight: float = 0.1, reg_weight: float = 1.0, normed: bool = True,
+                progress: bool = True) -> list[dict]:
     """Train the draft's fc and layer (AdamW, cosine after warm-up); the history of logged steps.
 
-    The loss is `draft_loss`'s: feature regression plus `cls_weight` x cross-entropy to the target.
-    `max_minutes` ends the run early (after a logged step); `val` adds held-out figures to each log row.
+    The loss is `draft_loss`'s: `reg_weight` x feature regression (after the target's norm where `normed`)
+    plus `cls_weight` x cross-entropy to the target. `max_minutes` ends the run early (after a logged step);
+    `val` adds held-out figures to each log row.
     """
     steps = validate.integer("steps", steps, low=1)
     params = list(draft.fc.parameters()) + list(draft.block.parameters())
@@ -226,7 +232,7 @@ def train_draft(draft: FeatureDraft, data: FeatureData, steps: int, batch_size: 
             g["lr"] = lr * max(scale, 0.02)
         idx = torch.from_numpy(rng.integers(0, len(data), size=batch_size))
         loss, stats = draft_loss(draft, data.features[idx].float(), data.tokens[idx].long(), data.lengths[idx],
-                                 unroll, cls_weight)
+                                 unroll, cls_weight, reg_weight, normed)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -237,7 +243,8 @@ def train_draft(draft: FeatureDraft, data: FeatureData, steps: int, batch_size: 
         if step % eval_every == 0 or last:
             row = {"step": step, "loss": loss.item(), **stats, "elapsed_s": round(elapsed, 1)}
             if val is not None:
-                row |= {f"val_{k}": v for k, v in evaluate_draft(draft, val, unroll, cls_weight).items()}
+                held = evaluate_draft(draft, val, unroll, cls_weight, reg_weight, normed)
+                row |= {f"val_{k}": v for k, v in held.items()}
             history.append(row)
             if log is not None:
                 with open(log, "a") as f:
@@ -250,14 +257,14 @@ def train_draft(draft: FeatureDraft, data: FeatureData, steps: int, batch_size: 
 
 @torch.no_grad()
 def evaluate_draft(draft: FeatureDraft, data: FeatureData, unroll: int = 2, cls_weight: float = 0.1,
-                   batch: int = 16) -> dict:
+                   reg_weight: float = 1.0, normed: bool = True, batch: int = 16) -> dict:
     """Mean loss terms and top-1 agreement with the target over held-out windows."""
     was = draft.training
     draft.eval()
     sums, n = {}, 0
     for i in range(0, len(data), batch):
         loss, stats = draft_loss(draft, data.features[i:i + batch].float(), data.tokens[i:i + batch].long(),
-                                 data.lengths[i:i + batch], unroll, cls_weight)
+                                 data.lengths[i:i + batch], unroll, cls_weight, reg_weight, normed)
         for k, v in stats.items():
             sums[k] = sums.get(k, 0.0) + v * len(data.tokens[i:i + batch])
         n += len(data.tokens[i:i + batch])

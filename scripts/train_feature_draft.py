@@ -8,6 +8,8 @@ Stages, each cached under --work so an interrupted run resumes where it stopped:
 4. the draft's fc and layer trained on feature regression plus cross-entropy (train_log.jsonl), then saved.
 
     python scripts/train_feature_draft.py --out infopt_lab/assets/models/smollm2-135m-eagle
+
+The defaults are the bundled draft's recipe (its MODEL_CARD.md gives the full command).
 """
 from __future__ import annotations
 
@@ -40,22 +42,37 @@ def corpus_windows(tok, n: int, window: int, seed: int) -> list[list[int]]:
     return out
 
 
+def cpu_name() -> str:
+    """The processor's model name as the OS reports it (or the platform's name where it does not)."""
+    import platform
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="runs/eagle")
-    ap.add_argument("--code-prompts", type=int, default=120)
-    ap.add_argument("--chat-prompts", type=int, default=200)
+    ap.add_argument("--code-prompts", type=int, default=320)
+    ap.add_argument("--chat-prompts", type=int, default=480)
     ap.add_argument("--new-tokens", type=int, default=160)
-    ap.add_argument("--corpus-windows", type=int, default=160)
+    ap.add_argument("--corpus-windows", type=int, default=600)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=0.006)
     ap.add_argument("--unroll", type=int, default=2)
-    ap.add_argument("--cls-weight", type=float, default=0.1)
-    ap.add_argument("--max-minutes", type=float, default=70)
+    ap.add_argument("--cls-weight", type=float, default=1.0)
+    ap.add_argument("--reg-weight", type=float, default=1.0)
+    ap.add_argument("--reg-space", choices=("normed", "raw"), default="normed",
+                    help="regress the features after the target's final norm (what its head reads) or before it")
+    ap.add_argument("--max-minutes", type=float, default=50)
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--card-only", action="store_true", help="measure the saved draft and write its MODEL_CARD.md")
     args = ap.parse_args()
@@ -100,12 +117,14 @@ def main() -> None:
     log.unlink(missing_ok=True)
     history = ft.train_draft(draft, train, args.steps, batch_size=args.batch_size, lr=args.lr, unroll=args.unroll,
                              seed=args.seed, val=val, log=log, max_minutes=args.max_minutes,
-                             cls_weight=args.cls_weight)
+                             cls_weight=args.cls_weight, reg_weight=args.reg_weight,
+                             normed=args.reg_space == "normed")
     card = {"vocab": args.vocab, "held_out_coverage": cover[args.vocab] if args.vocab in cover else
             ft.coverage(val_choices, token_ids), "coverage_by_size": cover,
             "train_windows": len(train), "train_tokens": int(train.lengths.sum()),
             "steps": history[-1]["step"] + 1, "batch_size": args.batch_size, "lr": args.lr, "unroll": args.unroll,
-            "cls_weight": args.cls_weight,
+            "cls_weight": args.cls_weight, "reg_weight": args.reg_weight, "reg_space": args.reg_space,
+            "cpu": cpu_name(),
             "final": history[-1], "minutes": round((time.time() - started) / 60, 1),
             "command": "python scripts/train_feature_draft.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "card_only")}
@@ -132,6 +151,8 @@ def write_card(out: Path, n_prompts: int = 16, k: int = 3, new_tokens: int = 48)
         found[name] = SpeculativeOutput([], k, [r for o in outs for r in o.rounds], 0, 0, 1.0)
     size = (out / "draft.safetensors").stat().st_size
     cover = meta["coverage_by_size"]
+    space = ("after SmolLM2's final norm (what its head reads)" if meta.get("reg_space") == "normed"
+             else "before the final norm")
     lines = [
         f"# infopt-lab `{fd.BUNDLED_NAME}` feature draft", "",
         "SmolLM2-135M-Instruct's feature-level speculative draft (EAGLE's idea, Li et al. 2024): one decoder "
@@ -154,11 +175,13 @@ def write_card(out: Path, n_prompts: int = 16, k: int = 3, new_tokens: int = 48)
         "training-split code.",
         f"- SmolLM2's last hidden states over {meta['train_windows']:,} windows ({meta['train_tokens']:,} tokens) "
         "cached once (fp32 model, bf16 features); the covered tokens are SmolLM2's most frequent greedy choices there.",
-        f"- {meta['steps']} steps of {meta['batch_size']} windows, AdamW (lr {meta['lr']}, cosine), loss = smooth L1 "
-        f"on the features + {meta.get('cls_weight', 0.1)} x cross-entropy to SmolLM2's distribution over the "
+        f"- {meta['steps']} steps of {meta['batch_size']} windows, AdamW (lr {meta['lr']}, cosine), loss = "
+        f"{meta.get('reg_weight', 1.0)} x smooth L1 on the features "
+        f"{space} + {meta.get('cls_weight', 0.1)} x cross-entropy to SmolLM2's distribution over the "
         "covered tokens, "
         f"unrolled {meta['unroll']} steps (each later step reads the draft's own guess); the layer starts as a "
-        f"copy of SmolLM2's last layer. The run took {meta['minutes']:.0f} minutes on a 2-core CPU, without "
+        f"copy of SmolLM2's last layer. The run took {meta['minutes']:.0f} minutes on a 2-core CPU "
+        f"({meta.get('cpu', 'not recorded')}), without "
         "the answers and features it found cached under `--work` from an earlier start of the same command "
         "(the command resumes; from nothing it first generates the answers and their features).",
         f"- Final held-out top-1 agreement with SmolLM2: step 1 {meta['final'].get('val_top1_1', float('nan')):.1%}, "

@@ -185,6 +185,26 @@ def test_save_load_and_bad_input(trained, tmp_path):
         fd.FeatureDraft.from_pretrained(lab.loading.resolve_model_dir("draft"))
 
 
+def test_the_loss_regresses_in_the_space_asked_for_and_weighs_its_terms(trained):
+    """normed=True compares the features after the target's final norm; the weights scale each term alone."""
+    import torch.nn.functional as F
+    target, tok, draft, _ = trained
+    data = ft.build_features(target, [tok.encode("def add(a, b):\n    return a + b\n" * 3)], None, window=32,
+                             progress=False)
+    feats, tokens, lengths = data.features.float(), data.tokens.long(), data.lengths
+    with torch.no_grad():
+        guess = draft.hidden(feats[:, :-1], tokens[:, 1:], torch.arange(feats.shape[1] - 1))
+        want = {normed: float(F.smooth_l1_loss(*(target.norm(t) if normed else t for t in (guess, feats[:, 1:]))))
+                for normed in (False, True)}
+        for normed in (False, True):
+            total, stats = ft.draft_loss(draft, feats, tokens, lengths, unroll=1, normed=normed)
+            assert stats["reg_1"] == pytest.approx(want[normed], rel=1e-5)
+            only_cls, _ = ft.draft_loss(draft, feats, tokens, lengths, unroll=1, cls_weight=1.0, reg_weight=0.0,
+                                        normed=normed)
+            assert float(only_cls) == pytest.approx(stats["cls_1"], rel=1e-5)
+    assert want[True] != pytest.approx(want[False], rel=0.01)     # two different spaces, not one by accident
+
+
 @given(first=st.integers(0, 12), held=st.integers(0, 10), begin=st.integers(1, 25), extra=st.integers(0, 8))
 def test_the_engines_catch_up_reads_the_feature_of_the_position_before(first, held, begin, extra):
     """Position j reads the held feature of position j - 1, zeros where none is held (a gap, a prefix hit)."""
