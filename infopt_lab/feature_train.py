@@ -183,8 +183,8 @@ def draft_loss(draft: FeatureDraft, feats: Tensor, tokens: Tensor, lengths: Tens
     the same windows run again with the first pass's guesses in place of the features (shifted by one), as
     the draft's second proposal reads its own guess: training as it is used (EAGLE-3's training-time test).
     `normed=True` compares the features after the target's final norm, the space its head reads: a
-    pre-norm last hidden state carries a few channels hundreds of times larger than the rest (SmolLM2's),
-    which would otherwise dominate the regression.
+    pre-norm last hidden state carries a few channels far larger than the rest (SmolLM2's does), which
+    would otherwise dominate the regression.
     """
     B, T, C = feats.shape
     h_in, x_in, h_out = feats[:, :-1], tokens[:, 1:], feats[:, 1:]

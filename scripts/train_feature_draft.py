@@ -25,6 +25,7 @@ import infopt_lab as lab
 from infopt_lab import feature_draft as fd
 from infopt_lab import feature_train as ft
 from infopt_lab.data import read_texts
+from infopt_lab.device import cpu_name
 from infopt_lab.loading import load_model
 
 
@@ -40,18 +41,6 @@ def corpus_windows(tok, n: int, window: int, seed: int) -> list[list[int]]:
         if len(ids) == window:
             out.append(ids)
     return out
-
-
-def cpu_name() -> str:
-    """The processor's model name as the OS reports it (or the platform's name where it does not)."""
-    import platform
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
