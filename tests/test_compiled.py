@@ -171,6 +171,22 @@ def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cp
         overhead.bench_overhead("target", precisions=("fp8",))
 
 
+def test_a_llama_cpp_build_that_crashes_is_left_out_with_its_cause_and_a_build_without_amx():
+    """A build of llama.cpp whose instructions the machine refuses kills its process: the rung probes it in a child
+    first and leaves it out, saying how it ended and (on an AMX CPU) how to build it without AMX."""
+    import sys
+    from infopt_lab.bench import overhead
+    assert overhead.child_failure([sys.executable, "-c", "pass"]) is None
+    killed = overhead.child_failure([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
+    assert killed == "killed by SIGSEGV"
+    failed = overhead.child_failure([sys.executable, "-c", "raise SystemExit('no file')"])
+    assert failed == "exit status 1: no file"
+    assert "mno-amx" not in overhead.llama_cmake_args(amx=False)
+    with_amx = overhead.llama_cmake_args(amx=True)
+    assert "-DGGML_NATIVE=ON" in with_amx and "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" in with_amx
+    assert overhead.llama_cmake_args() in overhead.llama_install()
+
+
 def test_a_compiled_step_is_read_back_from_inductors_cache_under_its_own_key(tiny, tmp_path, monkeypatch):
     """cpu_backend's graphs are cached on disk (compiling them again, in a fresh process or after a reset, reads
     the cache), and never share an entry with the same graph compiled by inductor's own table."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..device import get_device
+from ..device import cpu_flags, get_device
 from ..generate import generate
 from ..loading import load_model
 from ..quantize import quantize_model, use_q8_kernel, weight_bytes
@@ -28,8 +30,23 @@ from .result import Result
 
 LLAMA_CPP = "llama.cpp"
 AGAINST = (LLAMA_CPP,)
-LLAMA_INSTALL = ('from the course folder, CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" pip install -e ".[llama]" '
-                 "builds llama.cpp for this CPU (several minutes; see the README)")
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"   # a native x86 build without ggml's AMX path
+
+
+def llama_cmake_args(amx: bool | None = None) -> str:
+    """The CMAKE_ARGS that build llama.cpp for this CPU: native, and on a CPU that reports AMX, without ggml's AMX
+    path (its tile instructions fault in some virtual machines: a 2-core Intel Xeon with AMX measured here died
+    with SIGSEGV in ggml_backend_amx_mul_mat on its first token)."""
+    args = "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"
+    if amx is None:
+        amx = "amx_tile" in cpu_flags()
+    return f"{args} -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'" if amx else args
+
+
+def llama_install() -> str:
+    """How to install llama-cpp-python for this CPU, in one line."""
+    return (f'from the course folder, CMAKE_ARGS="{llama_cmake_args()}" pip install -e ".[llama]" builds llama.cpp '
+            "for this CPU (several minutes; see the README)")
 
 
 # -- llama.cpp through llama-cpp-python ----------------------------------------------------------------
@@ -38,8 +55,38 @@ def llama_cpp_missing() -> str | None:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        return f"llama-cpp-python is not installed: {LLAMA_INSTALL}"
+        return f"llama-cpp-python is not installed: {llama_install()}"
     return None
+
+
+def child_failure(argv: list[str], timeout_s: float = 300) -> str | None:
+    """None when the command exits with status 0; else how it ended, in words (the signal that killed it, or its
+    status and the last line it wrote to stderr)."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        return f"killed by {signal.Signals(-done.returncode).name}"
+    last = (done.stderr.strip().splitlines() or [""])[-1][:200]
+    return f"exit status {done.returncode}: {last}" if last else f"exit status {done.returncode}"
+
+
+_LLAMA_PROBE = ("import sys; from llama_cpp import Llama; "
+                "m = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), verbose=False); "
+                "m('def', max_tokens=4, temperature=0.0)")
+
+
+def llama_cpp_crash(gguf: str | Path, threads: int) -> str | None:
+    """Why this build of llama.cpp cannot decode the file here, or None: four greedy tokens run in a child process
+    first, since a build whose instructions the machine refuses kills the process it runs in, and with it every
+    measurement of the rung."""
+    how = child_failure([sys.executable, "-c", _LLAMA_PROBE, str(gguf), str(threads)])
+    if how is None:
+        return None
+    hint = (" This CPU reports AMX, which a native build of ggml uses and some virtual machines refuse; rebuild "
+            f'without it: CMAKE_ARGS="{llama_cmake_args(amx=True)}" pip install --force-reinstall --no-cache-dir '
+            "llama-cpp-python") if "amx_tile" in cpu_flags() else ""
+    return f"llama.cpp failed to decode 4 tokens of {Path(gguf).name} in a child process ({how}); left out.{hint}"
 
 
 @dataclass
@@ -203,7 +250,9 @@ def llama_for(model_name: str, against: str | None) -> tuple[LlamaCpp | None, st
     if model_name not in REMOTE:
         raise ValueError(f"llama.cpp runs the GGUF file a fetched model came from; --model {model_name!r} has none: "
                          f"use one of {sorted(REMOTE)}")
-    return LlamaCpp(gguf_file(model_name), threads=torch.get_num_threads()), None
+    gguf, threads = gguf_file(model_name), torch.get_num_threads()
+    crash = llama_cpp_crash(gguf, threads)
+    return (None, crash) if crash is not None else (LlamaCpp(gguf, threads=threads), None)
 
 
 def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None, new_tokens: int = 64,
