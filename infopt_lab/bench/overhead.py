@@ -239,10 +239,9 @@ def q8_rows(r: Result, models: dict, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -
     return {"q8_rows_cost": found}
 
 
-def llama_for(model_name: str, against: str | None) -> tuple[LlamaCpp | None, str | None]:
-    """llama.cpp on the model's own GGUF file when asked for and installed; else None and why not (or None)."""
-    if against != LLAMA_CPP:
-        return None, None
+def llama_cpp_for(model_name: str) -> tuple[LlamaCpp | None, str | None]:
+    """llama.cpp on the fetched model's own GGUF file, with this process's threads, where it is installed and
+    decodes here; else None and why not, in one line."""
     why_not = llama_cpp_missing()
     if why_not is not None:
         return None, why_not
@@ -253,6 +252,11 @@ def llama_for(model_name: str, against: str | None) -> tuple[LlamaCpp | None, st
     gguf, threads = gguf_file(model_name), torch.get_num_threads()
     crash = llama_cpp_crash(gguf, threads)
     return (None, crash) if crash is not None else (LlamaCpp(gguf, threads=threads), None)
+
+
+def llama_for(model_name: str, against: str | None) -> tuple[LlamaCpp | None, str | None]:
+    """llama.cpp on the model's own GGUF file when asked for and usable; else None and why not (or None)."""
+    return llama_cpp_for(model_name) if against == LLAMA_CPP else (None, None)
 
 
 def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None, new_tokens: int = 64,
