@@ -3,8 +3,9 @@
  * The weights stay in the course's format (quant_format.py): int4 two per byte, low nibble first, with a
  * scale and an integer zero per group of G weights (w = (q - z) * s); int8 with one scale per output row.
  * Each call first quantizes its activations, row by row, in blocks of 32: d = max|x| / 127, a = round(x / d).
- * A block's product is then a sum of byte products, which AVX2 computes 32 at a time (_mm256_maddubs_epi16)
- * instead of converting every weight to a float; the float work is one multiply-add per block.
+ * A block's product is then a sum of byte products, which AVX2 computes 32 at a time (_mm256_maddubs_epi16,
+ * or VNNI's vpdpbusd where the CPU has it) instead of converting every weight to a float; the float work is one
+ * multiply-add per block.
  * llama.cpp computes its Q4_1 x Q8_1 and Q8_0 x Q8_0 products the same way.
  *
  * Every activation row is quantized and reduced on its own, in the same order whatever the number of rows:
@@ -84,6 +85,37 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* Byte products summed in fours into eight int32 lanes: unsigned u times signed s. VNNI does it in one instruction
+ * (vpdpbusd); elsewhere maddubs sums pairs into int16 and madd pairs those. The integers are the same: a pair
+ * here is at most 2 x 128 x 127 = 32512 in magnitude (int8), so maddubs never saturates, and the int4 sum of
+ * two pairs of pairs at most 4 x 15 x 127. */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define Q8_VNNI 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#else
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+#endif
+
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef Q8_VNNI
+    return DPBUSD(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Two such products added: low nibbles times the even activations plus high nibbles times the odd ones. */
+static inline __m256i dot2_u8s8(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#ifdef Q8_VNNI
+    return DPBUSD(DPBUSD(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
 /* The row loops below run a tile of rt activation rows over one weight row; each is inlined for every rt from
  * 1 to ROW_TILE, so the tile's accumulators stay in registers. Every row sums its blocks in the same order
  * whatever rt is: a row's result is the same alone or in a batch. */
@@ -99,7 +131,6 @@ ALWAYS_INLINE void q4_tile(const Quantized *q, int64_t r0, const int rt, int64_t
                            const float *sn, const uint8_t *zn, int64_t G, int64_t n, int64_t N, float *y) {
     const int64_t nb = K / QB, np = K / (2 * QB), ng = K / G, bpg = G / QB;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE];
     for (int i = 0; i < rt; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t p = 0; p < np; p++) {
@@ -112,9 +143,8 @@ ALWAYS_INLINE void q4_tile(const Quantized *q, int64_t r0, const int rt, int64_t
         for (int i = 0; i < rt; i++) {
             const int64_t r = r0 + i;
             const int8_t *ap = q->a + r * K + p * 2 * QB;
-            const __m256i even = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)ap));
-            const __m256i odd = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(ap + QB)));
-            const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+            const __m256i dot = dot2_u8s8(lo, _mm256_loadu_si256((const __m256i *)ap),
+                                          hi, _mm256_loadu_si256((const __m256i *)(ap + QB)));
             const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(q->dv + (r * nb + b0) * 4), sv);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[i]);
         }
@@ -137,7 +167,6 @@ ALWAYS_INLINE void q4_cols(const Quantized *q, int64_t r, const int nc, int64_t 
                            const float *scales, const uint8_t *zeros, int64_t G, int64_t n, int64_t N, float *y) {
     const int64_t nb = K / QB, np = K / (2 * QB), ng = K / G, bpg = G / QB;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[COL_TILE];
     for (int j = 0; j < nc; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t p = 0; p < np; p++) {
@@ -153,9 +182,7 @@ ALWAYS_INLINE void q4_cols(const Quantized *q, int64_t r, const int nc, int64_t 
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
             const __m256 sv = bpg > 1 ? _mm256_set1_ps(sn[b0 / bpg])
                                       : _mm256_set_m128(_mm_set1_ps(sn[b1]), _mm_set1_ps(sn[b0]));
-            const __m256i even = _mm256_maddubs_epi16(lo, a_even);
-            const __m256i odd = _mm256_maddubs_epi16(hi, a_odd);
-            const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+            const __m256i dot = dot2_u8s8(lo, a_even, hi, a_odd);
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, sv), acc[j]);
         }
     }
@@ -203,7 +230,6 @@ static void q4_rows(const Quantized *q, int64_t rows, int64_t K, const uint8_t *
 ALWAYS_INLINE void q8w_tile(const Quantized *q, int64_t r0, const int rt, int64_t K, const int8_t *wn, float scale,
                             int64_t n, int64_t N, float *y) {
     const int64_t nb = K / QB;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE];
     for (int i = 0; i < rt; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -213,7 +239,7 @@ ALWAYS_INLINE void q8w_tile(const Quantized *q, int64_t r0, const int rt, int64_
             const int64_t r = r0 + i;
             const __m256i av = _mm256_loadu_si256((const __m256i *)(q->a + r * K + b * QB));
             const __m256i signed_a = _mm256_sign_epi8(av, wv);  /* a with w's sign, 0 where w is 0 */
-            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones);
+            const __m256i dot = dot_u8s8(magnitude, signed_a);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q->d[r * nb + b]), acc[i]);
         }
     }
