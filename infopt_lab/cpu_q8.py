@@ -13,8 +13,8 @@ against PyTorch's headers (about ten seconds, once), they are `infopt::q4_linear
 `native_why_not()` says why the C++ operators are not in use. The same build registers
 `infopt::one_query_attention` (kernels/attention.c), a compiled CPU step's attention for one new token.
 
-This module depends on nothing else in the package, so that compiled.py can read whether the operators are
-loaded; the kernel as a path a quantized layer computes with is q8_path.py's.
+This module depends on nothing else in the package but device.py (the CPU's flags), so that compiled.py can
+read whether the operators are loaded; the kernel as a path a quantized layer computes with is q8_path.py's.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .device import cpu_flags
+
 
 SOURCE = Path(__file__).parent / "kernels" / "q8_dot.c"
 NATIVE_SOURCE = Path(__file__).parent / "kernels" / "q8_ops.cpp"
@@ -39,16 +41,6 @@ BLOCK = 32                     # activations per quantization block: K and the i
 C_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC")
 FLAGS = (*C_FLAGS, "-shared")
 CXX_FLAGS = ("-O2", "-std=c++20", "-fPIC", "-shared")   # PyTorch's recent headers need C++20
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 def _compiler() -> str | None:

@@ -181,6 +181,8 @@ def test_a_llama_cpp_build_that_crashes_is_left_out_with_its_cause_and_a_build_w
     assert killed == "killed by SIGSEGV"
     failed = overhead.child_failure([sys.executable, "-c", "raise SystemExit('no file')"])
     assert failed == "exit status 1: no file"
+    hung = overhead.child_failure([sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=0.5)
+    assert hung == "stopped after 0.5 s without finishing"
     assert "mno-amx" not in overhead.llama_cmake_args(amx=False)
     with_amx = overhead.llama_cmake_args(amx=True)
     assert "-DGGML_NATIVE=ON" in with_amx and "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" in with_amx

@@ -60,9 +60,12 @@ def llama_cpp_missing() -> str | None:
 
 
 def child_failure(argv: list[str], timeout_s: float = 300) -> str | None:
-    """None when the command exits with status 0; else how it ended, in words (the signal that killed it, or its
-    status and the last line it wrote to stderr)."""
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    """None when the command exits with status 0; else how it ended, in words (the signal that killed it, its
+    status and the last line it wrote to stderr, or that it was stopped after `timeout_s`)."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"stopped after {timeout_s:g} s without finishing"
     if done.returncode == 0:
         return None
     if done.returncode < 0:
