@@ -160,9 +160,9 @@ ALWAYS_INLINE void q4_tile(const Quantized *q, int64_t r0, const int rt, int64_t
 /* One activation row (a decode step's one token) over nc weight rows at once: nc independent accumulators, where
  * one weight row at a time waits on its fused multiply-add at every step, and the activations loaded once for
  * all nc. Each output's operations are q4_tile's for one row, in the same order: the same result, bit for bit.
- * One token over a SmolLM2-sized stack of int4 weights (67 MB, 2 threads, a 2-core Intel Xeon): 0.71-0.77x the
- * time of one weight row at a time. int8 keeps one row at a time: tiled, it took 1.03-1.04x (its unpacking is
- * lighter, so one row's chain was not what bound it). */
+ * One token over a SmolLM2-sized stack of int4 weights (67 MB, 2 threads, a 2-core Intel Xeon, native build):
+ * 0.68-0.79x the time of one weight row at a time; built for AVX2 only (-march=haswell) on the same CPU, 1.02-1.04x
+ * (scripts/q8_kernel_ab.py measures both). int8 keeps one row at a time: tiled, it took 1.03-1.04x. */
 ALWAYS_INLINE void q4_cols(const Quantized *q, int64_t r, const int nc, int64_t K, const uint8_t *w,
                            const float *scales, const uint8_t *zeros, int64_t G, int64_t n, int64_t N, float *y) {
     const int64_t nb = K / QB, np = K / (2 * QB), ng = K / G, bpg = G / QB;
