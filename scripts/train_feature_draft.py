@@ -173,8 +173,9 @@ def write_card(out: Path, n_prompts: int = 16, k: int = 3, new_tokens: int = 48)
         f"({meta.get('cpu', 'not recorded')}), without "
         "the answers and features it found cached under `--work` from an earlier start of the same command "
         "(the command resumes; from nothing it first generates the answers and their features).",
-        f"- Final held-out top-1 agreement with SmolLM2: step 1 {meta['final'].get('val_top1_1', float('nan')):.1%}, "
-        f"step 2 {meta['final'].get('val_top1_2', float('nan')):.1%}.", "",
+        "- Final held-out top-1 agreement with SmolLM2: " + ", ".join(
+            f"step {i} {meta['final'][f'val_top1_{i}']:.1%}" for i in range(1, meta["unroll"] + 1)
+            if f"val_top1_{i}" in meta["final"]) + ".", "",
         "Reproduce:", "", "```bash", meta["command"], "```", "",
         f"## As SmolLM2's draft (greedy, k = {k}, {n_prompts} held-out prompts, {new_tokens} new tokens)", "",
         "| draft | accepted / proposed | alpha | acceptance by position |", "| --- | --- | --- | --- |"]
