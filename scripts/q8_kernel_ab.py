@@ -4,6 +4,7 @@ working tree's, built with the same flags, called in turn over a SmolLM2-sized s
 The stack is SmolLM2-135M's products for one step (per layer q/k/v fused 960 x 576, o 576 x 576, gate/up fused
 3072 x 576, down 576 x 1536; 30 layers and the 49152 x 576 head), random integers in the kernel's own layouts,
 so one pass streams what a decode step streams. Each round times one pass of each build; the best round counts.
+It also says whether the two builds' outputs are identical, bit for bit.
 Kernel changes are judged by this ratio, measured on the CPU they are for, not by a whole decode step, which
 adds everything else a step does.
 
@@ -32,7 +33,8 @@ GROUP = 64                                                        # the int4 gro
 def build(source: Path, out: Path, march: str) -> ctypes.CDLL:
     """The source compiled as cpu_q8 builds it, with -march=`march`."""
     flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_q8.FLAGS]
-    subprocess.run(["gcc", *flags, str(source), "-o", str(out), *cpu_q8._openmp_flags(), "-lm"], check=True)
+    subprocess.run([cpu_q8._compiler() or "cc", *flags, str(source), "-o", str(out), *cpu_q8._openmp_flags(), "-lm"],
+                   check=True)
     return ctypes.CDLL(str(out))
 
 
@@ -68,15 +70,19 @@ def main() -> int:
                 "working tree": build(cpu_q8.SOURCE, Path(tmp) / "new.so", args.march)}
         shapes, w8, w4, xs, ys = step_operands(args.rows)
 
-        def int8(lib):
+        def int8(lib, keep=None):
             for (n, k), (w, s) in zip(shapes, w8):
                 lib.q8w_linear(P(xs[k].data_ptr()), I(args.rows), I(k), P(w.data_ptr()), P(s.data_ptr()), I(n),
                                P(ys[n].data_ptr()), threads)
+                if keep is not None:
+                    keep.append(ys[n].clone())
 
-        def int4(lib):
+        def int4(lib, keep=None):
             for (n, k), (w, s, z) in zip(shapes, w4):
                 lib.q4_linear(P(xs[k].data_ptr()), I(args.rows), I(k), P(w.data_ptr()), P(s.data_ptr()),
                               P(z.data_ptr()), I(n), I(GROUP), P(ys[n].data_ptr()), threads)
+                if keep is not None:
+                    keep.append(ys[n].clone())
 
         print(f"{args.rows} row(s) a call, {threads} threads, -march={args.march}, best of {args.rounds} rounds")
         for name, run, nbytes in (("int8", int8, sum(n * k for n, k in shapes)),
@@ -87,9 +93,13 @@ def main() -> int:
                     start = time.perf_counter()
                     run(lib)
                     best[label] = min(best[label], time.perf_counter() - start)
+            outputs = {label: [] for label in libs}
+            for label, lib in libs.items():
+                run(lib, outputs[label])
+            same = all(torch.equal(a, b) for a, b in zip(*outputs.values()))
             old, new = best[args.rev], best["working tree"]
             print(f"  {name}: {nbytes / 1e6:.0f} MB of weights; {args.rev} {old * 1e3:.2f} ms, working tree "
-                  f"{new * 1e3:.2f} ms ({new / old:.2f}x the time)")
+                  f"{new * 1e3:.2f} ms ({new / old:.2f}x the time); outputs {'identical' if same else 'DIFFER'}")
     return 0
 
 

@@ -122,6 +122,27 @@ static inline __m256i dot2_u8s8(__m256i u0, __m256i s0, __m256i u1, __m256i s1) 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 _Static_assert(ROW_TILE == 4 && COL_TILE == 4, "q4_rows and q8w_rows switch over tiles of 1 to 4 rows");
 
+/* One int4 weight row's 32 bytes at pair p, unpacked: its low and high nibbles, and the scale of each of the
+ * pair's two blocks (one group holds both, or each block its own). */
+typedef struct { __m256i lo, hi; __m256 sv; } Q4Pair;
+
+ALWAYS_INLINE Q4Pair q4_pair(const uint8_t *wn, const float *sn, int64_t p, int64_t bpg) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(wn + p * QB));
+    const int64_t b0 = 2 * p, b1 = 2 * p + 1;
+    const Q4Pair w = {_mm256_and_si256(packed, low4), _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4),
+                      bpg > 1 ? _mm256_set1_ps(sn[b0 / bpg])
+                              : _mm256_set_m128(_mm_set1_ps(sn[b1]), _mm_set1_ps(sn[b0]))};
+    return w;
+}
+
+/* The zero points' term of one output: sum over groups g of s[n, g] z[n, g] dsg[r, g], in group order. */
+ALWAYS_INLINE float q4_zero_term(const float *sn, const uint8_t *zn, const float *dsg, int64_t ng) {
+    float corr = 0.0f;
+    for (int64_t g = 0; g < ng; g++) corr += sn[g] * (float)zn[g] * dsg[g];
+    return corr;
+}
+
 /* int4: 64 weights (32 bytes, two blocks) per step. The low nibbles are the even elements of both blocks, the
  * high nibbles the odd ones, matching the activations' order; the byte products of the two halves add as
  * int16 (at most 4 x 15 x 127 in magnitude), pair up into 8 int32 sums, four per block, each scaled by its
@@ -130,31 +151,21 @@ _Static_assert(ROW_TILE == 4 && COL_TILE == 4, "q4_rows and q8w_rows switch over
 ALWAYS_INLINE void q4_tile(const Quantized *q, int64_t r0, const int rt, int64_t K, const uint8_t *wn,
                            const float *sn, const uint8_t *zn, int64_t G, int64_t n, int64_t N, float *y) {
     const int64_t nb = K / QB, np = K / (2 * QB), ng = K / G, bpg = G / QB;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[ROW_TILE];
     for (int i = 0; i < rt; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t p = 0; p < np; p++) {
-        const __m256i packed = _mm256_loadu_si256((const __m256i *)(wn + p * QB));
-        const __m256i lo = _mm256_and_si256(packed, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-        const int64_t b0 = 2 * p, b1 = 2 * p + 1;
-        const __m256 sv = bpg > 1 ? _mm256_set1_ps(sn[b0 / bpg])       /* one group holds both blocks */
-                                  : _mm256_set_m128(_mm_set1_ps(sn[b1]), _mm_set1_ps(sn[b0]));
+        const Q4Pair w = q4_pair(wn, sn, p, bpg);
         for (int i = 0; i < rt; i++) {
             const int64_t r = r0 + i;
             const int8_t *ap = q->a + r * K + p * 2 * QB;
-            const __m256i dot = dot2_u8s8(lo, _mm256_loadu_si256((const __m256i *)ap),
-                                          hi, _mm256_loadu_si256((const __m256i *)(ap + QB)));
-            const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(q->dv + (r * nb + b0) * 4), sv);
+            const __m256i dot = dot2_u8s8(w.lo, _mm256_loadu_si256((const __m256i *)ap),
+                                          w.hi, _mm256_loadu_si256((const __m256i *)(ap + QB)));
+            const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(q->dv + (r * nb + 2 * p) * 4), w.sv);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[i]);
         }
     }
-    for (int i = 0; i < rt; i++) {                                      /* the zero points, per group */
-        const float *dsg = q->dsg + (r0 + i) * ng;
-        float corr = 0.0f;
-        for (int64_t g = 0; g < ng; g++) corr += sn[g] * (float)zn[g] * dsg[g];
-        y[(r0 + i) * N + n] = hsum(acc[i]) - corr;
-    }
+    for (int i = 0; i < rt; i++)
+        y[(r0 + i) * N + n] = hsum(acc[i]) - q4_zero_term(sn, zn, q->dsg + (r0 + i) * ng, ng);
 }
 
 /* One activation row (a decode step's one token) over nc weight rows at once: nc independent accumulators, where
@@ -166,34 +177,22 @@ ALWAYS_INLINE void q4_tile(const Quantized *q, int64_t r0, const int rt, int64_t
 ALWAYS_INLINE void q4_cols(const Quantized *q, int64_t r, const int nc, int64_t K, const uint8_t *w,
                            const float *scales, const uint8_t *zeros, int64_t G, int64_t n, int64_t N, float *y) {
     const int64_t nb = K / QB, np = K / (2 * QB), ng = K / G, bpg = G / QB;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[COL_TILE];
     for (int j = 0; j < nc; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t p = 0; p < np; p++) {
         const int8_t *ap = q->a + r * K + p * 2 * QB;
         const __m256i a_even = _mm256_loadu_si256((const __m256i *)ap);
         const __m256i a_odd = _mm256_loadu_si256((const __m256i *)(ap + QB));
-        const int64_t b0 = 2 * p, b1 = 2 * p + 1;
-        const __m256 dv = _mm256_loadu_ps(q->dv + (r * nb + b0) * 4);
+        const __m256 dv = _mm256_loadu_ps(q->dv + (r * nb + 2 * p) * 4);
         for (int j = 0; j < nc; j++) {
-            const float *sn = scales + (n + j) * ng;
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(w + (n + j) * (K / 2) + p * QB));
-            const __m256i lo = _mm256_and_si256(packed, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-            const __m256 sv = bpg > 1 ? _mm256_set1_ps(sn[b0 / bpg])
-                                      : _mm256_set_m128(_mm_set1_ps(sn[b1]), _mm_set1_ps(sn[b0]));
-            const __m256i dot = dot2_u8s8(lo, a_even, hi, a_odd);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, sv), acc[j]);
+            const Q4Pair wj = q4_pair(w + (n + j) * (K / 2), scales + (n + j) * ng, p, bpg);
+            const __m256i dot = dot2_u8s8(wj.lo, a_even, wj.hi, a_odd);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, wj.sv), acc[j]);
         }
     }
-    const float *dsg = q->dsg + r * ng;
-    for (int j = 0; j < nc; j++) {
-        const float *sn = scales + (n + j) * ng;
-        const uint8_t *zn = zeros + (n + j) * ng;
-        float corr = 0.0f;
-        for (int64_t g = 0; g < ng; g++) corr += sn[g] * (float)zn[g] * dsg[g];
-        y[r * N + n + j] = hsum(acc[j]) - corr;
-    }
+    for (int j = 0; j < nc; j++)
+        y[r * N + n + j] = hsum(acc[j]) - q4_zero_term(scales + (n + j) * ng, zeros + (n + j) * ng,
+                                                        q->dsg + r * ng, ng);
 }
 
 static void q4_rows(const Quantized *q, int64_t rows, int64_t K, const uint8_t *w, const float *scales,
