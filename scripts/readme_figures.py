@@ -130,6 +130,15 @@ FIGURES: dict[str, Source] = {
     "kd_alpha_hard": Source("06", "students, logs, train_s = {}", r"(?m)^hard labels +[\d.]+ +[\d.]+% +([\d.]+%)"),
     "smol_draft_share": Source("06", "card_dir = bundled_model_dir(", r"parameters = ([\d.]+) of SmolLM2"),
     "smol_draft_alpha": Source("06", "card_dir = bundled_model_dir(", r"k = 4: acceptance ([\d.]+%)"),
+    "cpu_00": Source("00", "lab.device.describe().items()", r"(?m)^device +: cpu \((.*)\)$"),
+    "cpu_01": Source("01", "lab.device.describe().items()", r"(?m)^device +: cpu \((.*)\)$"),
+    "cpu_02": Source("02", "lab.device.describe().items()", r"(?m)^device +: cpu \((.*)\)$"),
+    "cpu_03": Source("03", "lab.device.describe().items()", r"(?m)^device +: cpu \((.*)\)$"),
+    "cpu_04": Source("04", "lab.device.describe().items()", r"(?m)^device +: cpu \((.*)\)$"),
+    "cpu_05": Source("05", "lab.device.describe().items()", r"(?m)^device +: cpu \((.*)\)$"),
+    "cpu_06": Source("06", "lab.device.describe().items()", r"(?m)^device +: cpu \((.*)\)$"),
+    "cpu_07": Source("07", "lab.device.describe().items()", r"(?m)^device +: cpu \((.*)\)$"),
+    "cpu_08": Source("08", "lab.device.describe().items()", r"(?m)^device +: cpu \((.*)\)$"),
 }
 
 
