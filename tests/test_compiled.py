@@ -154,6 +154,8 @@ def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cp
     for name in ("fp32", "int8", *q8):
         assert r.values[name]["tokens_per_s"] > 0 and r.values[f"{name} compiled"]["streamed_bytes"] > 0
         assert r.values[name]["compiled_speedup"] > 0
+        assert len(r.values[f"{name} compiled"]["vs_fp32_eager_by_round"]) == 1       # repeats=1: one round
+    assert "round by round" not in text                                                # no spread in one round
     assert r.values["int8"]["streamed_bytes"] < r.values["fp32"]["streamed_bytes"] / 3
     assert "llama-cpp-python is not installed: pip install x" in text and "llama.cpp" not in r.values
     assert r.values["engine_int8_compiled"]["scaling"] > 0 and set(r.values["int8_rows_cost"]) == {1, 2}
@@ -169,6 +171,14 @@ def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cp
         overhead.bench_overhead("target", against="vllm")
     with pytest.raises(ValueError, match="precision"):
         overhead.bench_overhead("target", precisions=("fp8",))
+
+
+def test_round_by_round_ratios_pair_each_round_with_the_baselines_same_round():
+    """A ratio is taken within a round (the contenders ran one after another), not best over best: a machine that
+    slows for one round slows both sides of that round's ratio."""
+    from infopt_lab.bench.overhead import Timed
+    t = Timed({"a": 40.0, "b": 20.0}, {}, {}, {"a": [40.0, 20.0, 30.0], "b": [20.0, 10.0, 20.0]})
+    assert t.ratios("a", "b") == [2.0, 2.0, 1.5] and t.ratios("b", "b") == [1.0, 1.0, 1.0]
 
 
 def test_a_llama_cpp_build_that_crashes_is_left_out_with_its_cause_and_a_build_without_amx():

@@ -175,10 +175,16 @@ def contenders(model_name: str, device, precisions: tuple[str, ...] = PRECISIONS
 
 @dataclass
 class Timed:
-    """Each contender's fastest of the interleaved rounds: tokens/s end to end, TPOT, and that run's output."""
+    """Each contender's fastest of the interleaved rounds: tokens/s end to end, TPOT, and that run's output; and
+    every round's tokens/s (`rounds[name][i]`: round i, in which every contender ran once, one after another)."""
     rate: dict[str, float]
     tpot: dict[str, float]
     best: dict[str, object]
+    rounds: dict[str, list[float]]
+
+    def ratios(self, name: str, baseline: str) -> list[float]:
+        """`name`'s tokens/s over `baseline`'s, round by round: how far one run's ratio can move."""
+        return [a / b for a, b in zip(self.rounds[name], self.rounds[baseline])]
 
 
 def time_contenders(models: dict, tok, prompt: str, new_tokens: int, repeats: int, device,
@@ -203,7 +209,8 @@ def time_contenders(models: dict, tok, prompt: str, new_tokens: int, repeats: in
     fastest = {name: min(range(repeats), key=t.__getitem__) for name, t in runs.items()}
     best = {name: outputs[name][-repeats + i] for name, i in fastest.items()}
     return Timed({name: new_tokens / runs[name][i] for name, i in fastest.items()},
-                 {name: best[name].tpot_s for name in fns}, best)
+                 {name: best[name].tpot_s for name in fns}, best,
+                 {name: [new_tokens / s for s in seconds] for name, seconds in runs.items()})
 
 
 def engine_rows(r: Result, name: str, int8, tok, prompt: str, batch: int) -> dict:
@@ -296,7 +303,11 @@ def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None,
         r.add(name, f"{rate:6.1f} tokens/s ({rate / t.rate['fp32']:.2f}x fp32 eager{vs}), TPOT {t.tpot[name] * 1e3:5.1f} "
                     f"ms, {streamed[name] / 2**20:5.1f} MiB streamed per token, {gbs:4.1f} GB/s")
         values[name] = {"tokens_per_s": rate, "tpot_s": t.tpot[name], "streamed_bytes": streamed[name],
-                        "gb_per_s": gbs, "vs_fp32_eager": rate / t.rate["fp32"]}
+                        "gb_per_s": gbs, "vs_fp32_eager": rate / t.rate["fp32"],
+                        "vs_fp32_eager_by_round": t.ratios(name, "fp32")}
+    if repeats > 1:                       # the best of each is one number; how much a ratio moves between rounds
+        r.add("x fp32 eager, round by round", "; ".join(
+            f"{n} {min(t.ratios(n, 'fp32')):.2f}-{max(t.ratios(n, 'fp32')):.2f}x" for n in t.rate if n != "fp32"))
     measured = [n for n in PRECISIONS if n in models]
     for name in measured:
         values[name]["compiled_speedup"] = t.rate[f"{name} compiled"] / t.rate[name]
