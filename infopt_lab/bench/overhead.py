@@ -269,6 +269,21 @@ def llama_for(model_name: str, against: str | None) -> tuple[LlamaCpp | None, st
     return llama_cpp_for(model_name) if against == LLAMA_CPP else (None, None)
 
 
+def contender_rows(r: Result, t: Timed, streamed: dict[str, int]) -> dict[str, dict]:
+    """One row per contender (tokens/s, its ratio to fp32 eager and to llama.cpp, TPOT, bytes streamed, GB/s) and
+    the same figures as values."""
+    values = {}
+    for name, rate in t.rate.items():
+        gbs = streamed[name] / t.tpot[name] / 1e9
+        vs = f", {rate / t.rate[LLAMA_CPP]:.2f}x llama.cpp" if LLAMA_CPP in t.rate and name != LLAMA_CPP else ""
+        r.add(name, f"{rate:6.1f} tokens/s ({rate / t.rate['fp32']:.2f}x fp32 eager{vs}), TPOT {t.tpot[name] * 1e3:5.1f} "
+                    f"ms, {streamed[name] / 2**20:5.1f} MiB streamed per token, {gbs:4.1f} GB/s")
+        values[name] = {"tokens_per_s": rate, "tpot_s": t.tpot[name], "streamed_bytes": streamed[name],
+                        "gb_per_s": gbs, "vs_fp32_eager": rate / t.rate["fp32"],
+                        "vs_fp32_eager_by_round": t.ratios(name, "fp32")}
+    return values
+
+
 def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None, new_tokens: int = 64,
                    repeats: int = 3, prompt: str = DEFAULT_PROMPT, engine_batch: int = 8,
                    precisions: tuple[str, ...] | None = None) -> Result:
@@ -296,15 +311,7 @@ def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None,
     r.add("memory bandwidth (copy probe)", f"{bandwidth:.1f} GB/s: fp32's weight-streaming bound {bound:.1f} tokens/s")
     r.add("one fp32 matrix-vector product", f"{matvec:.1f} GB/s (MKL, the largest weight as loaded): "
                                             f"{matvec * 1e9 / streamed['fp32']:.1f} tokens/s if every weight streamed so")
-    values = {"bandwidth_gbs": bandwidth, "matvec_gbs": matvec}
-    for name, rate in t.rate.items():
-        gbs = streamed[name] / t.tpot[name] / 1e9
-        vs = f", {rate / t.rate[LLAMA_CPP]:.2f}x llama.cpp" if LLAMA_CPP in t.rate and name != LLAMA_CPP else ""
-        r.add(name, f"{rate:6.1f} tokens/s ({rate / t.rate['fp32']:.2f}x fp32 eager{vs}), TPOT {t.tpot[name] * 1e3:5.1f} "
-                    f"ms, {streamed[name] / 2**20:5.1f} MiB streamed per token, {gbs:4.1f} GB/s")
-        values[name] = {"tokens_per_s": rate, "tpot_s": t.tpot[name], "streamed_bytes": streamed[name],
-                        "gb_per_s": gbs, "vs_fp32_eager": rate / t.rate["fp32"],
-                        "vs_fp32_eager_by_round": t.ratios(name, "fp32")}
+    values = {"bandwidth_gbs": bandwidth, "matvec_gbs": matvec, **contender_rows(r, t, streamed)}
     if repeats > 1:                       # the best of each is one number; how much a ratio moves between rounds
         r.add("x fp32 eager, round by round", "; ".join(
             f"{n} {min(t.ratios(n, 'fp32')):.2f}-{max(t.ratios(n, 'fp32')):.2f}x" for n in t.rate if n != "fp32"))
