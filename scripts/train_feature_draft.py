@@ -2,7 +2,7 @@
 
 Stages, each cached under --work so an interrupted run resumes where it stopped:
 1. prompts from the corpus's training split (code to continue, chat questions about functions) answered
-   greedily by SmolLM2-135M in the engine (completions.json);
+   greedily by SmolLM2-135M in the engine, one set per prompt seed (completions-SEED.json);
 2. the target's last hidden states over prompt + answer and over windows of training-split code (features/);
 3. the covered vocabulary: the target's most frequent choices over those features;
 4. the draft's fc and layer trained on feature regression plus cross-entropy (train_log.jsonl), then saved.
@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--work", default="runs/eagle")
     ap.add_argument("--code-prompts", type=int, default=320)
     ap.add_argument("--chat-prompts", type=int, default=480)
+    ap.add_argument("--prompt-seeds", type=int, nargs="+", default=[29],
+                    help="each seed draws --code-prompts + --chat-prompts more prompts (repeats dropped)")
     ap.add_argument("--new-tokens", type=int, default=160)
     ap.add_argument("--corpus-windows", type=int, default=600)
     ap.add_argument("--window", type=int, default=256)
@@ -74,17 +76,23 @@ def main() -> None:
     target, tok = load_model("smollm2-135m", dtype=torch.float32, device="cpu")
     started = time.time()
 
-    done = work / "completions.json"
-    if done.exists():
-        sequences = json.loads(done.read_text())
-    else:
-        prompts = ft.training_prompts(tok, args.code_prompts, args.chat_prompts, seed=args.seed)
-        engine = lab.Engine(target, tok, max_batch_size=32, max_model_len=1024)
-        outs = engine.generate(prompts, max_new_tokens=args.new_tokens, temperature=0.0, progress=True)
-        sequences = [o.prompt_ids + o.token_ids for o in outs if o.ok]
-        print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} prompts "
-              f"in {time.time() - started:.0f} s", flush=True)
-        done.write_text(json.dumps(sequences))
+    sequences, seen = [], set()
+    for seed in args.prompt_seeds:                       # one answer file per seed: more seeds, more data
+        done = work / f"completions-{seed}.json"
+        if not done.exists():
+            prompts = [p for p in ft.training_prompts(tok, args.code_prompts, args.chat_prompts, seed=seed)
+                       if p not in seen]
+            engine = lab.Engine(target, tok, max_batch_size=32, max_model_len=1024)
+            t0 = time.time()
+            outs = engine.generate(prompts, max_new_tokens=args.new_tokens, temperature=0.0, progress=True)
+            print(f"seed {seed}: generated {sum(len(o.token_ids) for o in outs)} tokens for {len(outs)} prompts "
+                  f"in {time.time() - t0:.0f} s", flush=True)
+            done.write_text(json.dumps({"prompts": prompts, "sequences": [o.prompt_ids + o.token_ids
+                                                                           for o in outs if o.ok]}))
+        cached = json.loads(done.read_text())
+        seen.update(cached["prompts"])
+        sequences += cached["sequences"]
+    answered = len(sequences)
     sequences += corpus_windows(tok, args.corpus_windows, args.window, args.seed)
     data = ft.build_features(target, sequences, work / "features", window=args.window)
     print(f"features: {len(data)} windows, {int(data.lengths.sum())} tokens", flush=True)
@@ -110,13 +118,14 @@ def main() -> None:
                              normed=args.reg_space == "normed")
     card = {"vocab": args.vocab, "held_out_coverage": cover[args.vocab] if args.vocab in cover else
             ft.coverage(val_choices, token_ids), "coverage_by_size": cover,
-            "train_windows": len(train), "train_tokens": int(train.lengths.sum()),
+            "answered_prompts": answered, "train_windows": len(train), "train_tokens": int(train.lengths.sum()),
             "steps": history[-1]["step"] + 1, "batch_size": args.batch_size, "lr": args.lr, "unroll": args.unroll,
             "cls_weight": args.cls_weight, "reg_weight": args.reg_weight, "reg_space": args.reg_space,
             "cpu": cpu_name(),
             "final": history[-1], "minutes": round((time.time() - started) / 60, 1),
             "command": "python scripts/train_feature_draft.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "card_only")}
+                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                for k, v in vars(args).items() if k != "card_only")}
     draft.save_pretrained(args.out, card=card)
     (Path(args.out) / "train_log.jsonl").write_text(log.read_text())
     print(json.dumps(card, indent=2), flush=True)
@@ -160,8 +169,9 @@ def write_card(out: Path, n_prompts: int = 16, k: int = 3, new_tokens: int = 48)
         "| coverage by size | " + ", ".join(f"{n}: {float(c):.1%}" for n, c in cover.items()) + " |", "",
         "## Data and training", "",
         "- Prompts from the corpus's training split: code to continue, and chat questions about documented "
-        "functions; SmolLM2 answered them greedily in the engine (up to 160 new tokens), plus windows of "
-        "training-split code.",
+        "functions; SmolLM2 answered "
+        + (f"{meta['answered_prompts']:,} of them" if "answered_prompts" in meta else "them")
+        + " greedily in the engine (up to 160 new tokens), plus windows of training-split code.",
         f"- SmolLM2's last hidden states over {meta['train_windows']:,} windows ({meta['train_tokens']:,} tokens) "
         "cached once (fp32 model, bf16 features); the covered tokens are SmolLM2's most frequent greedy choices there.",
         f"- {meta['steps']} steps of {meta['batch_size']} windows, AdamW (lr {meta['lr']}, cosine), loss = "
@@ -169,10 +179,9 @@ def write_card(out: Path, n_prompts: int = 16, k: int = 3, new_tokens: int = 48)
         f"{space} + {meta.get('cls_weight', 0.1)} x cross-entropy to SmolLM2's distribution over the "
         "covered tokens, "
         f"unrolled {meta['unroll']} steps (each later step reads the draft's own guess); the layer starts as a "
-        f"copy of SmolLM2's last layer. The run took {meta['minutes']:.0f} minutes on a 2-core CPU "
-        f"({meta.get('cpu', 'not recorded')}), without "
-        "the answers and features it found cached under `--work` from an earlier start of the same command "
-        "(the command resumes; from nothing it first generates the answers and their features).",
+        f"copy of SmolLM2's last layer. Training took {meta['final']['elapsed_s'] / 60:.0f} minutes on a 2-core "
+        f"CPU ({meta.get('cpu', 'not recorded')}); before it, once, SmolLM2 answers the prompts and its features "
+        "are cached under `--work` (the command resumes from what it finds there).",
         "- Final held-out top-1 agreement with SmolLM2: " + ", ".join(
             f"step {i} {meta['final'][f'val_top1_{i}']:.1%}" for i in range(1, meta["unroll"] + 1)
             if f"val_top1_{i}" in meta["final"]) + ".", "",
