@@ -10,9 +10,12 @@ compiles once, in seconds, then the step runs layer after layer through it.
 Shapes are static (gpt-fast's pattern): the cache holds a fixed number of positions,
 preallocated, and every step writes its keys at `input_pos` and attends over all positions
 with a mask, so one graph serves every position of a request. On a CPU a one-row product of
-float weights is lowered to a reduction that inductor writes itself, over row-major weights
-(`compile_model` re-lays a float model's weights row-major for it: the bench measures both);
-the quantized layers call their own kernels from inside the graph.
+float weights goes one of two ways, whichever is faster on the machine: a reduction that inductor
+writes itself, over row-major weights, or MKL's product, over column-major ones (eager code's
+layout). Which one is faster depends on the processor (the reduction on an AMD EPYC, MKL on an
+Intel Xeon, in the course's runs), so `choose_lowering` (lowering.py) times one compiled step each way, once per
+machine and model shape, and keeps the answer in the user cache. The quantized layers call their
+own kernels from inside the graph.
 
 Compiled tokens follow the rule of exactness.py: the graph sums in another order than eager
 code, so in fp32 they agree with eager decoding up to rounding ties, and in bf16 and the
@@ -26,6 +29,7 @@ import hashlib
 import inspect
 import logging
 import math
+import statistics
 import time
 import weakref
 
@@ -35,6 +39,7 @@ from torch import Tensor, nn
 
 from . import cpu_q8
 from .kv_cache import KVCache, cache_slots
+from .lowering import LOWERING_NAMES, LOWERINGS, Verdict, float_linears, keep_verdict, lay_out_for, read_verdict
 
 aten = torch.ops.aten
 REDUCTION_MAX_ROWS = 1   # products of up to this many rows run as inductor's reduction on a CPU (one token, batch 1)
@@ -115,12 +120,19 @@ def cpu_backend(gm, example_inputs):
                       config_patches={"post_grad_custom_post_pass": mark, "size_asserts": False})
 
 
-def compile_options(device: torch.device) -> dict:
-    """torch.compile's backend and mode for a device: CUDA graphs on CUDA, inductor's C++ with cpu_backend's
-    lowering elsewhere."""
+def mkl_backend(gm, example_inputs):
+    """Inductor with its own decompositions: a float product stays a call to MKL, over the weights as eager code
+    lays them out (column-major). Size asserts off, as in cpu_backend."""
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, example_inputs, config_patches={"size_asserts": False})
+
+
+def compile_options(device: torch.device, lowering: str = "reduction") -> dict:
+    """torch.compile's backend and mode for a device: CUDA graphs on CUDA; elsewhere inductor's C++, with the
+    one-row float products lowered to inductor's reduction (cpu_backend) or left to MKL (mkl_backend)."""
     if device.type == "cuda":
         return dict(backend="inductor", mode="reduce-overhead")
-    return dict(backend=cpu_backend)
+    return dict(backend=cpu_backend if lowering == "reduction" else mkl_backend)
 
 
 # -- the static cache --------------------------------------------------------------------------------
@@ -221,8 +233,9 @@ class CompiledModel:
     the steps run eagerly.
     """
 
-    def __init__(self, model: nn.Module, verbose: bool = True):
-        self.model, self.verbose = model, verbose
+    def __init__(self, model: nn.Module, verbose: bool = True, lowering: str = "reduction"):
+        self.model, self.verbose, self.lowering = model, verbose, lowering
+        self.lowering_ms: dict[str, float] = {}      # a step's time under each lowering, where they were measured
         self.device = next(model.parameters()).device
         self.failed: str | None = None
         self.compile_s: dict[tuple, float] = {}     # shape -> seconds its first (compiling) call took
@@ -231,12 +244,14 @@ class CompiledModel:
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"   # torch < 2.7
         setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-        self._step = torch.compile(_run_stack, dynamic=False, **compile_options(self.device))
+        self._step = torch.compile(_run_stack, dynamic=False, **compile_options(self.device, lowering))
 
     @property
     def backend(self) -> str:
         """What compiles the step here, in words."""
-        return "inductor + CUDA graphs" if self.device.type == "cuda" else "inductor's C++ backend"
+        if self.device.type == "cuda":
+            return "inductor + CUDA graphs"
+        return "inductor's C++ backend" + (", float products on MKL" if self.lowering == "mkl" else "")
 
     @torch.inference_mode()
     def step(self, ids: Tensor, input_pos: Tensor, layers, hidden: bool = False):
@@ -270,30 +285,92 @@ class CompiledModel:
         return out
 
 
+# -- which lowering, per machine (lowering.py keeps the verdicts) ----------------------------------------
+def step_ms(compiled: CompiledModel, steps: int = 8, warm: int = 2) -> float:
+    """The median time of a compiled one-token step at batch 1 (compiled first, outside the clock)."""
+    cache = StaticKVCache.for_model(compiled.model, 1, CAPACITY_STEP)
+    ids, times = torch.tensor([[1]], device=compiled.device), []
+    for pos in range(warm + steps):
+        start = time.perf_counter()
+        compiled.step(ids, torch.tensor([pos], device=compiled.device), cache.layers)
+        if pos >= warm:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure_lowerings(model: nn.Module) -> tuple[dict[str, float], CompiledModel]:
+    """One compiled step's median time under each lowering, the model re-laid for each in turn (reduction first,
+    so that a model loaded column-major ends in eager code's layout when MKL wins), and the last one's
+    CompiledModel."""
+    times, compiled = {}, None
+    for lowering in LOWERINGS:
+        lay_out_for(model, lowering)
+        compiled = CompiledModel(model, verbose=False, lowering=lowering)
+        times[lowering] = step_ms(compiled)
+        if compiled.failed:                                  # said once, by the step; it decodes eagerly
+            break
+    return times, compiled
+
+
+def choose_lowering(model: nn.Module, verbose: bool = True) -> tuple[Verdict | None, CompiledModel | None]:
+    """The faster lowering of a float model's one-row products on this machine: lowering.py's kept verdict, or
+    measured now (two compiles and a few steps, once per machine and model shape) and kept. Also the
+    measurement's last CompiledModel, where it measured now (None otherwise); where compiling failed, no
+    verdict and that CompiledModel, which decodes eagerly."""
+    verdict = read_verdict(model)
+    if verdict is not None:
+        return verdict, None
+    if verbose:
+        print("compile: timing one decode step with each lowering of the float products (inductor's reduction, "
+              "MKL), once on this machine...", flush=True)
+    times, last = measure_lowerings(model)
+    if last.failed:
+        return None, last
+    verdict = keep_verdict(model, times)
+    if verbose:
+        other = next(k for k in LOWERINGS if k != verdict.lowering)
+        print(f"compile: {LOWERING_NAMES[verdict.lowering]} is the faster here ({times[verdict.lowering]:.1f} ms a "
+              f"step against {times[other]:.1f} ms); kept in the user cache for this machine", flush=True)
+    return verdict, last
+
+
 _COMPILED: "weakref.WeakKeyDictionary[nn.Module, CompiledModel]" = weakref.WeakKeyDictionary()
 
 
-def compile_model(model: nn.Module, verbose: bool = True) -> CompiledModel:
+def compile_model(model: nn.Module, verbose: bool = True, lowering: str = "auto") -> CompiledModel:
     """The model's CompiledModel, made once per model and kept while the model lives.
 
-    On a CPU, a float model's linear weights are re-laid row-major first (in place, fused again): the
-    reduction the compiled step runs streams them in order, where eager code's MKL product prefers them
-    column-major (`model.set_weight_layout(model, "column")` restores that for eager decoding).
+    `lowering` ("auto", "reduction" or "mkl") says how a CPU step computes a float model's one-row products:
+    "auto" takes the faster here (`choose_lowering`: measured once per machine and model shape, then read
+    from the user cache). The model's linear weights are re-laid in place for the lowering (row-major for the
+    reduction, column-major for MKL, fused again); eager steps read either layout. Elsewhere (CUDA, or a model
+    without float products) there is nothing to choose. A model keeps the lowering it was first compiled with.
     """
-    from .model import Transformer, fuse_projections, set_weight_layout, weight_layout
+    from .model import Transformer
     if not isinstance(model, Transformer):
         raise TypeError(f"compile=True needs the package's Transformer (lab.load_model), got {type(model).__name__}")
+    if lowering not in ("auto", *LOWERINGS):
+        raise ValueError(f"lowering must be 'auto', 'reduction' or 'mkl', got {lowering!r}")
     compiled = _COMPILED.get(model)
     if compiled is None:
         p = next(model.parameters())
-        if p.device.type == "cpu" and any(type(m) is nn.Linear for m in model.modules()) \
-                and weight_layout(model) == "column":
-            with torch.inference_mode(False), torch.no_grad():   # normal tensors, even when called while decoding
-                set_weight_layout(model, "row")
-                fuse_projections(model)
-            if verbose:
-                print("compile: float weights re-laid row-major, as the compiled step's reduction reads them "
-                      "(eager steps on this model now run MKL over row-major weights)", flush=True)
-        compiled = _COMPILED[model] = CompiledModel(model, verbose)
+        if p.device.type != "cpu" or not float_linears(model):
+            compiled = CompiledModel(model, verbose)
+        else:
+            ms, measured = {}, None
+            if lowering == "auto":
+                verdict, measured = choose_lowering(model, verbose)
+                if verdict is None:                              # compiling failed: measured decodes eagerly
+                    _COMPILED[model] = measured
+                    return measured
+                lowering, ms = verdict.lowering, verdict.step_ms
+            lay_out_for(model, lowering)
+            if measured is not None and measured.lowering == lowering:
+                compiled = measured                              # the measurement's graph, already compiled
+                compiled.verbose = verbose
+            else:
+                compiled = CompiledModel(model, verbose, lowering)
+            compiled.lowering_ms = ms
+        _COMPILED[model] = compiled
     compiled.verbose = verbose
     return compiled

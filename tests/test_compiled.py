@@ -5,6 +5,7 @@ import torch
 
 import infopt_lab as lab
 from infopt_lab import compiled as compiled_mod
+from infopt_lab import lowering as lowering_mod
 from infopt_lab.bench.exactness import heldout_prompts
 from infopt_lab.compiled import StaticKVCache, static_capacity
 from infopt_lab.engine.model_runner import batch_buckets as batch_buckets_for
@@ -71,6 +72,53 @@ def test_quantized_compiled_steps_stay_within_the_kernels_rounding(target):
         assert got.argmax() == want.argmax()
 
 
+@pytest.mark.parametrize("lowering", compiled_mod.LOWERINGS)
+def test_each_lowering_follows_the_rule_and_lays_the_weights_out_for_itself(lowering):
+    """The reduction over row-major weights and MKL over column-major ones: each compiled step decodes what eager
+    decoding does, up to rounding ties, on held-out prompts; eager steps read either layout."""
+    model, tok = lab.load_model("target", dtype=torch.float32)                      # a model of its own
+    prompts = heldout_prompts(tok, 4, seed=31)
+    eager = greedy(model, tok, prompts, compile=False, new=32)
+    step = compiled_mod.compile_model(model, verbose=False, lowering=lowering)
+    assert step.lowering == lowering
+    assert lab.model.weight_layout(model) == ("row" if lowering == "reduction" else "column")
+    compiled = greedy(model, tok, prompts, compile=True, new=32)
+    agreement = compare(model, [tok.encode(p) for p in prompts], eager, compiled)
+    assert agreement.holds, agreement.summary(tok)
+    assert greedy(model, tok, prompts, compile=False, new=32) == eager             # eager, re-laid: the same
+
+
+@pytest.mark.parametrize("faster", compiled_mod.LOWERINGS)
+def test_auto_takes_the_faster_lowering_measures_it_once_per_machine_and_keeps_it(tiny, faster, tmp_path,
+                                                                                 monkeypatch, capsys):
+    import copy
+    import json
+    monkeypatch.setenv("INFOPT_LAB_CACHE", str(tmp_path))
+    measured = []
+    times = {faster: 1.0, next(k for k in compiled_mod.LOWERINGS if k != faster): 3.0}
+
+    def fake_step_ms(compiled, **kw):                       # the real step, compiled and run; the clock faked
+        compiled.step(torch.tensor([[1]]), torch.tensor([0]), StaticKVCache.for_model(compiled.model, 1, 128).layers)
+        measured.append(compiled.lowering)
+        return times[compiled.lowering]
+    monkeypatch.setattr(compiled_mod, "step_ms", fake_step_ms)
+    model = copy.deepcopy(tiny[0])
+    step = compiled_mod.compile_model(model)
+    assert step.lowering == faster and step.lowering_ms == times and sorted(measured) == sorted(times)
+    assert lab.model.weight_layout(model) == ("row" if faster == "reduction" else "column")
+    assert f"{lowering_mod.LOWERING_NAMES[faster]} is the faster here (1.0 ms a step against 3.0 ms)" in \
+        capsys.readouterr().out
+    kept = json.loads((tmp_path / lowering_mod.LOWERING_FILE).read_text())
+    assert kept == {lowering_mod.lowering_key(model): {"lowering": faster, "step_ms": times}}
+
+    again = compiled_mod.compile_model(copy.deepcopy(tiny[0]))      # the same shapes: read back, not measured
+    assert again.lowering == faster and len(measured) == 2 and "timing" not in capsys.readouterr().out
+    (tmp_path / lowering_mod.LOWERING_FILE).write_text("{not json")    # a damaged file: measured again
+    assert compiled_mod.compile_model(copy.deepcopy(tiny[0])).lowering == faster and len(measured) == 4
+    with pytest.raises(ValueError, match="'auto', 'reduction' or 'mkl'"):
+        compiled_mod.compile_model(copy.deepcopy(tiny[0]), lowering="fast")
+
+
 def test_a_failing_compiler_decodes_eagerly_and_says_why(target, monkeypatch, capsys):
     model, tok = target
     eager = greedy(model, tok, PROMPTS[:1], compile=False)
@@ -78,7 +126,7 @@ def test_a_failing_compiler_decodes_eagerly_and_says_why(target, monkeypatch, ca
 
     def broken(gm, example_inputs):
         raise RuntimeError("no C++ compiler found")
-    monkeypatch.setattr(compiled_mod, "compile_options", lambda device: dict(backend=broken))
+    monkeypatch.setattr(compiled_mod, "compile_options", lambda device, lowering="reduction": dict(backend=broken))
     got = greedy(q, tok, PROMPTS[:1], compile=True)
     out = capsys.readouterr().out
     assert out.count("torch.compile failed here (") == 1 and "no C++ compiler found" in out
@@ -222,8 +270,8 @@ def test_a_compiled_step_is_read_back_from_inductors_cache_under_its_own_key(tin
         m = copy.deepcopy(model)
         with monkeypatch.context() as patch:
             if options:
-                patch.setattr(compiled_mod, "compile_options", lambda device: options)
-            step = compiled_mod.compile_model(m, verbose=False)
+                patch.setattr(compiled_mod, "compile_options", lambda device, lowering="reduction": options)
+            step = compiled_mod.compile_model(m, verbose=False, lowering="reduction")
         before = dict(counters["inductor"])
         logits = step.step(torch.tensor([[3]]), torch.tensor([4]), StaticKVCache.for_model(m, 1, 128).layers)
         counts = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}

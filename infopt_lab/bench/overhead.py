@@ -156,8 +156,8 @@ def default_precisions() -> tuple[str, ...]:
 
 def contenders(model_name: str, device, precisions: tuple[str, ...] = PRECISIONS) -> dict[str, torch.nn.Module]:
     """fp32 (always: the baseline), bf16, int8 and int4 g64 models, and the quantized ones again on the hand-written
-    kernel; fp32 loaded twice (compiling re-lays its weights row-major, and the eager baseline keeps the layout
-    it loads with)."""
+    kernel; fp32 loaded twice (compiling re-lays its weights for the lowering it takes, and the eager baseline
+    keeps the layout it loads with)."""
     fp32, _ = load_model(model_name, dtype=torch.float32, device=device)
     models = {"fp32": fp32, "fp32 compiled": load_model(model_name, dtype=torch.float32, device=device)[0]}
     if "bf16" in precisions:
@@ -284,6 +284,17 @@ def contender_rows(r: Result, t: Timed, streamed: dict[str, int]) -> dict[str, d
     return values
 
 
+def lowering_row(r: Result, model) -> dict:
+    """Which lowering the compiled fp32 step took here, and each one's measured step (compiled.choose_lowering)."""
+    from ..compiled import compile_model
+    from ..lowering import LOWERING_NAMES
+    step = compile_model(model, verbose=False)                   # the one the timed runs used
+    ms = step.lowering_ms
+    timed = " (" + ", ".join(f"{k} {v:.1f} ms a step" for k, v in ms.items()) + ", measured once here)" if ms else ""
+    r.add("fp32 compiled lowering", LOWERING_NAMES.get(step.lowering, step.lowering) + timed)
+    return {"lowering": step.lowering, "step_ms": ms}
+
+
 def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None, new_tokens: int = 64,
                    repeats: int = 3, prompt: str = DEFAULT_PROMPT, engine_batch: int = 8,
                    precisions: tuple[str, ...] | None = None) -> Result:
@@ -319,6 +330,7 @@ def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None,
     for name in measured:
         values[name]["compiled_speedup"] = t.rate[f"{name} compiled"] / t.rate[name]
     r.add("compiled / eager", ", ".join(f"{n} {values[n]['compiled_speedup']:.2f}x" for n in measured))
+    values["fp32_lowering"] = lowering_row(r, models["fp32 compiled"])
     r.add("fp32 compiled vs the bound", f"{t.rate['fp32 compiled'] / bound:.0%} of the copy probe's bound, "
           f"{t.rate['fp32 compiled'] / (matvec * 1e9 / streamed['fp32']):.0%} of the matvec ceiling")
     ref = t.best["fp32"].token_ids

@@ -1,0 +1,99 @@
+"""Which lowering a compiled CPU step gives a float model's one-row products, measured once per machine.
+
+compiled.py can compute `x @ W.T` for one token two ways: a multiply-and-sum that inductor writes itself,
+over row-major weights, or a call to MKL, over column-major ones (eager code's layout). Neither wins
+everywhere: in the course's runs the reduction was the faster on an AMD EPYC (Zen 1) and MKL on an Intel
+Xeon. A probe of one product in isolation misleads (a 108 MiB head sits in a 480 MiB cache, where a
+step's 513 MiB do not), so compiled.py times a whole compiled step each way on the model itself
+and this module keeps the answer in the user cache, keyed by processor, thread count, torch and the model's shapes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LOWERINGS = ("reduction", "mkl")   # a CPU's one-row float products: inductor's reduction (row-major) or MKL (column)
+LOWERING_FILE = "lowering.json"    # in the user cache: each machine's measured choice
+
+
+@dataclass
+class Verdict:
+    lowering: str                # the faster of LOWERINGS here
+    step_ms: dict[str, float]    # the median compiled step under each, as measured
+    measured_now: bool           # False: read back from the user cache
+
+
+def float_linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear]
+
+
+def lowering_key(model: nn.Module) -> str:
+    """What a verdict holds for: the processor (its name and a hash of its flags), the thread count, torch, and
+    the model's float product shapes and dtype."""
+    from .device import cpu_name
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    linears = float_linears(model)
+    shapes = sorted({tuple(m.weight.shape) for m in linears})
+    return (f"{cpu_name()} [{hashlib.sha256(flags.encode()).hexdigest()[:8]}], {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}, {linears[0].weight.dtype} {shapes}")
+
+
+def lay_out_for(model: nn.Module, lowering: str) -> None:
+    """Re-lay a float model's linear weights as `lowering` reads them (row-major for the reduction, column-major
+    for MKL), fused again, in place; nothing to do where they already are."""
+    from .model import fuse_projections, set_weight_layout, weight_layout
+    layout = "row" if lowering == "reduction" else "column"
+    if weight_layout(model) != layout:
+        with torch.inference_mode(False), torch.no_grad():   # normal tensors, even when called while decoding
+            set_weight_layout(model, layout)
+            fuse_projections(model)
+
+
+def verdict_path():
+    from .hub import cache_root
+    return cache_root() / LOWERING_FILE
+
+
+def _verdicts() -> dict:
+    try:
+        verdicts = json.loads(verdict_path().read_text())
+    except (OSError, ValueError):                              # none yet, or a damaged file: measured again
+        return {}
+    return verdicts if isinstance(verdicts, dict) else {}
+
+
+def read_verdict(model: nn.Module) -> Verdict | None:
+    """This machine's verdict for the model's shapes, from the user cache; None where none is kept."""
+    known = _verdicts().get(lowering_key(model))
+    if isinstance(known, dict) and known.get("lowering") in LOWERINGS:
+        return Verdict(known["lowering"], known.get("step_ms", {}), measured_now=False)
+    return None
+
+
+def keep_verdict(model: nn.Module, step_ms: dict[str, float]) -> Verdict:
+    """The faster of the measured lowerings, written to the user cache (whole or not at all; a cache that cannot
+    be written is said, and the next compile measures again)."""
+    verdict = Verdict(min(step_ms, key=step_ms.get), step_ms, measured_now=True)
+    path, verdicts = verdict_path(), _verdicts()
+    verdicts[lowering_key(model)] = {"lowering": verdict.lowering, "step_ms": {k: round(v, 3) for k, v in step_ms.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_text(json.dumps(verdicts, indent=1))
+        part.replace(path)
+    except OSError as e:
+        print(f"compile: could not keep the lowering's verdict in {path} ({e}); it is measured again next time")
+    return verdict
+
+
+LOWERING_NAMES = {"reduction": "inductor's reduction over row-major weights",
+                  "mkl": "MKL over column-major weights"}
