@@ -127,12 +127,13 @@ def mkl_backend(gm, example_inputs):
     return compile_fx(gm, example_inputs, config_patches={"size_asserts": False})
 
 
-def compile_options(device: torch.device, lowering: str = "reduction") -> dict:
+def compile_options(device: torch.device, lowering: str | None = None) -> dict:
     """torch.compile's backend and mode for a device: CUDA graphs on CUDA; elsewhere inductor's C++, with the
-    one-row float products lowered to inductor's reduction (cpu_backend) or left to MKL (mkl_backend)."""
+    one-row float products lowered to inductor's reduction (cpu_backend, also where there are none: None) or
+    left to MKL (mkl_backend)."""
     if device.type == "cuda":
         return dict(backend="inductor", mode="reduce-overhead")
-    return dict(backend=cpu_backend if lowering == "reduction" else mkl_backend)
+    return dict(backend=mkl_backend if lowering == "mkl" else cpu_backend)
 
 
 # -- the static cache --------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ class CompiledModel:
     the steps run eagerly.
     """
 
-    def __init__(self, model: nn.Module, verbose: bool = True, lowering: str = "reduction"):
+    def __init__(self, model: nn.Module, verbose: bool = True, lowering: str | None = None):
         self.model, self.verbose, self.lowering = model, verbose, lowering
         self.lowering_ms: dict[str, float] = {}      # a step's time under each lowering, where they were measured
         self.device = next(model.parameters()).device

@@ -126,7 +126,7 @@ def test_a_failing_compiler_decodes_eagerly_and_says_why(target, monkeypatch, ca
 
     def broken(gm, example_inputs):
         raise RuntimeError("no C++ compiler found")
-    monkeypatch.setattr(compiled_mod, "compile_options", lambda device, lowering="reduction": dict(backend=broken))
+    monkeypatch.setattr(compiled_mod, "compile_options", lambda device, lowering=None: dict(backend=broken))
     got = greedy(q, tok, PROMPTS[:1], compile=True)
     out = capsys.readouterr().out
     assert out.count("torch.compile failed here (") == 1 and "no C++ compiler found" in out
@@ -270,7 +270,7 @@ def test_a_compiled_step_is_read_back_from_inductors_cache_under_its_own_key(tin
         m = copy.deepcopy(model)
         with monkeypatch.context() as patch:
             if options:
-                patch.setattr(compiled_mod, "compile_options", lambda device, lowering="reduction": options)
+                patch.setattr(compiled_mod, "compile_options", lambda device, lowering=None: options)
             step = compiled_mod.compile_model(m, verbose=False, lowering="reduction")
         before = dict(counters["inductor"])
         logits = step.step(torch.tensor([[3]]), torch.tensor([4]), StaticKVCache.for_model(m, 1, 128).layers)

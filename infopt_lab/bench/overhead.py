@@ -291,7 +291,8 @@ def lowering_row(r: Result, model) -> dict:
     step = compile_model(model, verbose=False)                   # the one the timed runs used
     ms = step.lowering_ms
     timed = " (" + ", ".join(f"{k} {v:.1f} ms a step" for k, v in ms.items()) + ", measured once here)" if ms else ""
-    r.add("fp32 compiled lowering", LOWERING_NAMES.get(step.lowering, step.lowering) + timed)
+    r.add("fp32 compiled lowering", LOWERING_NAMES[step.lowering] + timed if step.lowering in LOWERING_NAMES
+          else "none to choose on this device (CUDA graphs)")
     return {"lowering": step.lowering, "step_ms": ms}
 
 
