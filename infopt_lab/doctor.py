@@ -60,6 +60,8 @@ def run_doctor() -> int:
         print(f"  {name}: {state}")
     print(f"cache   : {hub.cache_root()} ({hub.cache_size_bytes() / 2**20:.0f} MiB)"
           + ("; downloads off" if hub.offline() else ""))
+    from .lowering import verdicts_summary
+    print(f"compile : {verdicts_summary()}")
     try:
         from .loading import load_model
         model, tok = load_model("target") if not model_problems else (None, None)

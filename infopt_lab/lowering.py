@@ -71,6 +71,16 @@ def _verdicts() -> dict:
     return verdicts if isinstance(verdicts, dict) else {}
 
 
+def verdicts_summary() -> str:
+    """One line for `infopt-lab doctor`: how many verdicts this machine keeps, which way they went, and how to
+    measure again (a verdict timed while the machine was busy stays until then)."""
+    kept = [v.get("lowering") for v in _verdicts().values() if isinstance(v, dict)]
+    if not kept:
+        return "no lowering measured yet (the first compile of a float model on a CPU times it)"
+    counts = ", ".join(f"{LOWERING_NAMES[k].split(' over ')[0]} for {kept.count(k)}" for k in LOWERINGS if k in kept)
+    return f"{len(kept)} lowering verdict(s) kept in {verdict_path()} ({counts}); delete the file to measure again"
+
+
 def read_verdict(model: nn.Module) -> Verdict | None:
     """This machine's verdict for the model's shapes, from the user cache; None where none is kept."""
     known = _verdicts().get(lowering_key(model))

@@ -23,6 +23,20 @@ def test_doctor_says_how_the_q8_kernel_runs(capsys, monkeypatch):
     assert "does not run here (the CPU lacks AVX2)" in capsys.readouterr().out
 
 
+def test_doctor_says_which_lowerings_this_machine_keeps_and_how_to_measure_again(capsys, monkeypatch, tmp_path):
+    import json
+    monkeypatch.setenv("INFOPT_LAB_CACHE", str(tmp_path))
+    assert main(["doctor"]) == 0
+    assert "compile : no lowering measured yet" in capsys.readouterr().out
+    kept = {"a": {"lowering": "mkl", "step_ms": {}}, "b": {"lowering": "reduction", "step_ms": {}},
+            "c": {"lowering": "mkl", "step_ms": {}}}
+    (tmp_path / "lowering.json").write_text(json.dumps(kept))
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert f"compile : 3 lowering verdict(s) kept in {tmp_path / 'lowering.json'} (inductor's reduction for 1, " \
+           "MKL for 2); delete the file to measure again" in out
+
+
 def test_bench_decode_matches_transformers_tokens(tiny_dir):
     result = bench_decode(str(tiny_dir), new_tokens=8, repeats=1)
     assert result.values["same_tokens"] is True
