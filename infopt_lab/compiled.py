@@ -288,7 +288,8 @@ class CompiledModel:
 
 # -- which lowering, per machine (lowering.py keeps the verdicts) ----------------------------------------
 def step_ms(compiled: CompiledModel, steps: int = 8, warm: int = 2) -> float:
-    """The median time of a compiled one-token step at batch 1 (compiled first, outside the clock)."""
+    """The median milliseconds of a compiled one-token step at batch 1, each at the next position (compiled during
+    the untimed warm-up). Its own clock: timing.py's helpers import generate.py, which imports this module."""
     cache = StaticKVCache.for_model(compiled.model, 1, CAPACITY_STEP)
     ids, times = torch.tensor([[1]], device=compiled.device), []
     for pos in range(warm + steps):

@@ -3,9 +3,9 @@
 compiled.py can compute `x @ W.T` for one token two ways: a multiply-and-sum that inductor writes itself,
 over row-major weights, or a call to MKL, over column-major ones (eager code's layout). Neither wins
 everywhere: in the course's runs the reduction was the faster on an AMD EPYC (Zen 1) and MKL on an Intel
-Xeon. A probe of one product in isolation misleads (a 108 MiB head sits in a 480 MiB cache, where a
-step's 513 MiB do not), so compiled.py times a whole compiled step each way on the model itself
-and this module keeps the answer in the user cache, keyed by processor, thread count, torch and the model's shapes.
+Xeon. A probe of one product in isolation misleads (a head can stay in a large last-level cache where a
+whole step's weights do not), so compiled.py times a whole compiled step each way on the model itself and
+this module keeps the answer in the user cache, keyed by processor, thread count, torch and the model's shapes.
 """
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from torch import nn
 
 LOWERINGS = ("reduction", "mkl")   # a CPU's one-row float products: inductor's reduction (row-major) or MKL (column)
 LOWERING_FILE = "lowering.json"    # in the user cache: each machine's measured choice
+SHORT_NAMES = {"reduction": "inductor's reduction", "mkl": "MKL"}
+LAYOUTS = {"reduction": "row", "mkl": "column"}        # how each reads the weights fastest
+LOWERING_NAMES = {k: f"{SHORT_NAMES[k]} over {LAYOUTS[k]}-major weights" for k in LOWERINGS}
 
 
 @dataclass
@@ -35,12 +38,8 @@ def float_linears(model: nn.Module) -> list[nn.Linear]:
 def lowering_key(model: nn.Module) -> str:
     """What a verdict holds for: the processor (its name and a hash of its flags), the thread count, torch, and
     the model's float product shapes and dtype."""
-    from .device import cpu_name
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
+    from .device import cpu_flags, cpu_name
+    flags = " ".join(sorted(cpu_flags()))
     linears = float_linears(model)
     shapes = sorted({tuple(m.weight.shape) for m in linears})
     return (f"{cpu_name()} [{hashlib.sha256(flags.encode()).hexdigest()[:8]}], {torch.get_num_threads()} threads, "
@@ -51,7 +50,7 @@ def lay_out_for(model: nn.Module, lowering: str) -> None:
     """Re-lay a float model's linear weights as `lowering` reads them (row-major for the reduction, column-major
     for MKL), fused again, in place; nothing to do where they already are."""
     from .model import fuse_projections, set_weight_layout, weight_layout
-    layout = "row" if lowering == "reduction" else "column"
+    layout = LAYOUTS[lowering]
     if weight_layout(model) != layout:
         with torch.inference_mode(False), torch.no_grad():   # normal tensors, even when called while decoding
             set_weight_layout(model, layout)
@@ -77,7 +76,7 @@ def verdicts_summary() -> str:
     kept = [v.get("lowering") for v in _verdicts().values() if isinstance(v, dict)]
     if not kept:
         return "no lowering measured yet (the first compile of a float model on a CPU times it)"
-    counts = ", ".join(f"{LOWERING_NAMES[k].split(' over ')[0]} for {kept.count(k)}" for k in LOWERINGS if k in kept)
+    counts = ", ".join(f"{SHORT_NAMES[k]} for {kept.count(k)}" for k in LOWERINGS if k in kept)
     return f"{len(kept)} lowering verdict(s) kept in {verdict_path()} ({counts}); delete the file to measure again"
 
 
@@ -103,7 +102,3 @@ def keep_verdict(model: nn.Module, step_ms: dict[str, float]) -> Verdict:
     except OSError as e:
         print(f"compile: could not keep the lowering's verdict in {path} ({e}); it is measured again next time")
     return verdict
-
-
-LOWERING_NAMES = {"reduction": "inductor's reduction over row-major weights",
-                  "mkl": "MKL over column-major weights"}
