@@ -221,6 +221,30 @@ def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cp
         overhead.bench_overhead("target", precisions=("fp8",))
 
 
+def test_the_rung_names_each_float_precisions_lowering_with_its_measured_steps(monkeypatch):
+    """fp32 and bf16 each have a lowering row (a CPU without bf16 instructions can make MKL's bf16 product many
+    times slower, so bf16's choice can matter more than fp32's); a precision that did not run has none; a step
+    with nothing to choose (CUDA) says so instead of naming a lowering."""
+    from types import SimpleNamespace
+
+    from infopt_lab.bench import overhead
+    from infopt_lab.bench.result import Result
+    steps = {"fp32c": SimpleNamespace(lowering="mkl", lowering_ms={"reduction": 58.5, "mkl": 55.3}),
+             "bf16": SimpleNamespace(lowering="reduction", lowering_ms={"reduction": 52.3, "mkl": 652.3}),
+             "gpu": SimpleNamespace(lowering=None, lowering_ms={})}
+    monkeypatch.setattr(compiled_mod, "compile_model", lambda model, verbose=True: steps[model])
+    r = Result("rows")
+    values = overhead.lowering_rows(r, {"fp32": "fp32e", "fp32 compiled": "fp32c", "bf16": "bf16", "int8": "x"})
+    assert values == {"fp32_lowering": {"lowering": "mkl", "step_ms": steps["fp32c"].lowering_ms},
+                      "bf16_lowering": {"lowering": "reduction", "step_ms": steps["bf16"].lowering_ms}}
+    text = r.render()
+    assert "fp32 compiled lowering" in text and "mkl 55.3 ms a step" in text
+    assert "bf16 compiled lowering" in text and "mkl 652.3 ms a step" in text
+    r = Result("rows")
+    assert set(overhead.lowering_rows(r, {"fp32 compiled": "gpu"})) == {"fp32_lowering"}
+    assert "none to choose on this device" in r.render() and "bf16" not in r.render()
+
+
 def test_round_by_round_ratios_pair_each_round_with_the_baselines_same_round():
     """A ratio is taken within a round (the contenders ran one after another), not best over best: a machine that
     slows for one round slows both sides of that round's ratio."""

@@ -284,16 +284,23 @@ def contender_rows(r: Result, t: Timed, streamed: dict[str, int]) -> dict[str, d
     return values
 
 
-def lowering_row(r: Result, model) -> dict:
-    """Which lowering the compiled fp32 step took here, and each one's measured step (compiled.choose_lowering)."""
+FLOAT_STEPS = {"fp32": "fp32 compiled", "bf16": "bf16"}      # float precision -> the model its compiled step ran
+
+
+def lowering_rows(r: Result, models: dict) -> dict:
+    """Which lowering each float precision's compiled step took here, and each one's measured step
+    (compiled.choose_lowering): `{"fp32_lowering": {...}, "bf16_lowering": {...}}` for those that ran."""
     from ..compiled import compile_model
     from ..lowering import LOWERING_NAMES
-    step = compile_model(model, verbose=False)                   # the one the timed runs used
-    ms = step.lowering_ms
-    timed = " (" + ", ".join(f"{k} {v:.1f} ms a step" for k, v in ms.items()) + ", measured once here)" if ms else ""
-    r.add("fp32 compiled lowering", LOWERING_NAMES[step.lowering] + timed if step.lowering in LOWERING_NAMES
-          else "none to choose on this device (CUDA graphs)")
-    return {"lowering": step.lowering, "step_ms": ms}
+    values = {}
+    for name in (n for n, key in FLOAT_STEPS.items() if key in models):
+        step = compile_model(models[FLOAT_STEPS[name]], verbose=False)     # the one the timed runs used
+        ms = step.lowering_ms
+        timed = " (" + ", ".join(f"{k} {v:.1f} ms a step" for k, v in ms.items()) + ", measured once here)" if ms else ""
+        r.add(f"{name} compiled lowering", LOWERING_NAMES[step.lowering] + timed if step.lowering in LOWERING_NAMES
+              else "none to choose on this device (CUDA graphs)")
+        values[f"{name}_lowering"] = {"lowering": step.lowering, "step_ms": ms}
+    return values
 
 
 def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None, new_tokens: int = 64,
@@ -331,7 +338,7 @@ def bench_overhead(model_name: str = "smollm2-135m", against: str | None = None,
     for name in measured:
         values[name]["compiled_speedup"] = t.rate[f"{name} compiled"] / t.rate[name]
     r.add("compiled / eager", ", ".join(f"{n} {values[n]['compiled_speedup']:.2f}x" for n in measured))
-    values["fp32_lowering"] = lowering_row(r, models["fp32 compiled"])
+    values.update(lowering_rows(r, models))
     r.add("fp32 compiled vs the bound", f"{t.rate['fp32 compiled'] / bound:.0%} of the copy probe's bound, "
           f"{t.rate['fp32 compiled'] / (matvec * 1e9 / streamed['fp32']):.0%} of the matvec ceiling")
     ref = t.best["fp32"].token_ids
