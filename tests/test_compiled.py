@@ -224,14 +224,15 @@ def test_the_overhead_rung_measures_every_precision_and_says_how_to_get_llama_cp
 def test_the_rung_names_each_float_precisions_lowering_with_its_measured_steps(monkeypatch):
     """fp32 and bf16 each have a lowering row (a CPU without bf16 instructions can make MKL's bf16 product many
     times slower, so bf16's choice can matter more than fp32's); a precision that did not run has none; a step
-    with nothing to choose (CUDA) says so instead of naming a lowering."""
+    with nothing to choose (CUDA), or whose compile failed, says so instead of naming a lowering."""
     from types import SimpleNamespace
 
     from infopt_lab.bench import overhead
     from infopt_lab.bench.result import Result
-    steps = {"fp32c": SimpleNamespace(lowering="mkl", lowering_ms={"reduction": 58.5, "mkl": 55.3}),
-             "bf16": SimpleNamespace(lowering="reduction", lowering_ms={"reduction": 52.3, "mkl": 652.3}),
-             "gpu": SimpleNamespace(lowering=None, lowering_ms={})}
+    steps = {"fp32c": SimpleNamespace(lowering="mkl", lowering_ms={"reduction": 58.5, "mkl": 55.3}, failed=None),
+             "bf16": SimpleNamespace(lowering="reduction", lowering_ms={"reduction": 52.3, "mkl": 652.3}, failed=None),
+             "gpu": SimpleNamespace(lowering=None, lowering_ms={}, failed=None),
+             "broken": SimpleNamespace(lowering="mkl", lowering_ms={}, failed="no C++ compiler")}
     monkeypatch.setattr(compiled_mod, "compile_model", lambda model, verbose=True: steps[model])
     r = Result("rows")
     values = overhead.lowering_rows(r, {"fp32": "fp32e", "fp32 compiled": "fp32c", "bf16": "bf16", "int8": "x"})
@@ -243,6 +244,10 @@ def test_the_rung_names_each_float_precisions_lowering_with_its_measured_steps(m
     r = Result("rows")
     assert set(overhead.lowering_rows(r, {"fp32 compiled": "gpu"})) == {"fp32_lowering"}
     assert "none to choose on this device" in r.render() and "bf16" not in r.render()
+    r = Result("rows")                            # compiling failed: no lowering named, the steps ran eagerly
+    overhead.lowering_rows(r, {"bf16": "broken"})
+    assert "compiling failed, so its steps ran eagerly (no C++ compiler)" in r.render()
+    assert "MKL" not in r.render()
 
 
 def test_round_by_round_ratios_pair_each_round_with_the_baselines_same_round():

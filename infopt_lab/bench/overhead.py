@@ -284,22 +284,22 @@ def contender_rows(r: Result, t: Timed, streamed: dict[str, int]) -> dict[str, d
     return values
 
 
-FLOAT_STEPS = {"fp32": "fp32 compiled", "bf16": "bf16"}      # float precision -> the model its compiled step ran
-
-
 def lowering_rows(r: Result, models: dict) -> dict:
-    """Which lowering each float precision's compiled step took here, and each one's measured step
-    (compiled.choose_lowering): `{"fp32_lowering": {...}, "bf16_lowering": {...}}` for those that ran."""
+    """Per float precision that ran: the lowering its compiled step took here and each one's measured step."""
     from ..compiled import compile_model
     from ..lowering import LOWERING_NAMES
     values = {}
-    for name in (n for n, key in FLOAT_STEPS.items() if key in models):
-        step = compile_model(models[FLOAT_STEPS[name]], verbose=False)     # the one the timed runs used
+    for name in ("fp32", "bf16"):                         # the float precisions' steps, as time_contenders ran them
+        if (model := models.get(f"{name} compiled", models.get(name))) is None:
+            continue
+        step = compile_model(model, verbose=False)
         ms = step.lowering_ms
         timed = " (" + ", ".join(f"{k} {v:.1f} ms a step" for k, v in ms.items()) + ", measured once here)" if ms else ""
-        r.add(f"{name} compiled lowering", LOWERING_NAMES[step.lowering] + timed if step.lowering in LOWERING_NAMES
-              else "none to choose on this device (CUDA graphs)")
-        values[f"{name}_lowering"] = {"lowering": step.lowering, "step_ms": ms}
+        said = (f"none: compiling failed, so its steps ran eagerly ({step.failed})" if step.failed is not None
+                else LOWERING_NAMES[step.lowering] + timed if step.lowering in LOWERING_NAMES
+                else "none to choose on this device (CUDA graphs)")
+        r.add(f"{name} compiled lowering", said)
+        values[f"{name}_lowering"] = {"lowering": None if step.failed else step.lowering, "step_ms": ms}
     return values
 
 
