@@ -3,10 +3,11 @@
 A QuantLinear (`quantize.py`) stores integers and scales; how it multiplies by them depends on where it
 lives. On a CPU, PyTorch's weight-only kernels read the integers directly with bf16 activations
 (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`), and an int8 call of many rows runs
-tiled bf16 GEMMs over the integers instead; on CUDA, int8 runs the same int8 kernel and int4 a Triton
-kernel. Everywhere else, and for calls of more rows than a kernel takes, the fallback: dequantize to a
-float copy, then F.linear. `choose_kernels` probes what runs once, when a layer is made or moved, and
-returns a `KernelChoice`: the paths by rows per call, and why the layer falls back if it does.
+tiled GEMMs over the integers instead (bf16 where the CPU has it in hardware, fp32 elsewhere); on CUDA,
+int8 runs the same int8 kernel and int4 a Triton kernel. Everywhere else, and for calls of more rows than a
+kernel takes, the fallback: dequantize to a float copy, then F.linear. `choose_kernels` probes what runs
+once, when a layer is made or moved, and returns a `KernelChoice`: the paths by rows per call, and why the
+layer falls back if it does.
 
 One path is the course's own and is chosen only when asked for (`quantize.use_q8_kernel`): q8_path.Q8Kernel, the
 hand-written CPU kernel of kernels/q8_dot.c, which quantizes the activations to int8 as llama.cpp does and
@@ -24,25 +25,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import validate
-from .device import HAS_TRITON
-from .quant_format import dequantize, pack_int4, pack_int4_for_cpu_kernel   # the stored format, and the
-                                                                             # CPU int4 kernel's form of it
+from .device import HAS_TRITON, cpu_has_native_bf16
+from .quant_format import dequantize, pack_int4, pack_int4_for_cpu_kernel   # stored; the int4 kernel's form
 from .quant_thresholds import cpu_thresholds
 
 INT8_KERNEL = "aten._weight_int8pack_mm"            # int8 weights x bf16 activations on a CPU (x's dtype on CUDA)
 INT4_KERNEL = "aten._weight_int4pack_mm_for_cpu"    # int4 weights x bf16 activations on a CPU, packed at quantization
 DEQUANT_MATMUL = "dequantize+matmul"                # the fallback: a float copy of W, then F.linear
 TRITON_INT4 = "triton int4 dequantize-matmul"
-INT8_GEMM = "bf16 GEMMs over the int8 integers"     # a row band of the int8 path on a CPU, not a layer's path
 Q8_KERNEL = "hand-written int8-activation kernel"  # kernels/q8_dot.c: int4 or int8 weights x int8 activations
-# Up to how many rows (tokens) a call runs a weight-only kernel; more dequantize (a float copy of the whole
-# weight per call) and run one float matmul, which catches up on long prefills. These limits change results,
-# not only speed: below them activations are rounded to bf16, above them the matmul computes in the model's
-# dtype, and perplexity over long windows depends on which. So they are fixed, where a sweep over rows on a
-# 2-core x86 CPU found the two paths even, not measured on each CPU.
+# Up to how many rows (tokens) a call runs a weight-only kernel; more dequantize (a float copy of the whole weight
+# per call) and run one float matmul, which catches up on long prefills. These limits change results, not only
+# speed: below them activations are rounded to bf16, above them the matmul computes in the model's dtype, and
+# perplexity over long windows depends on which. So they are fixed (a sweep on a 2-core x86 CPU found the two even).
 INT8_KERNEL_MAX_ROWS = 256
 INT4_KERNEL_MAX_ROWS = 512
-INT8_GEMM_TILE = 4096          # output rows per GEMM of the int8 tiles: each tile's bf16 copy stays in cache
+INT8_GEMM_TILE = 4096          # output rows per GEMM of the int8 tiles: each tile's float copy stays in cache
 # From how many rows the int8 GEMMs take over (one tile; more than one, a vocabulary head): measured on each
 # CPU and read from its record (quant_thresholds.py; `cpu_thresholds().source` says whose record).
 INT8_GEMM_MIN_ROWS = cpu_thresholds().int8_gemm_min_rows
@@ -204,26 +202,46 @@ class Int8Kernel(KernelPath):
         return self.scales.nbytes()
 
 
+def int8_gemm_name(gemm_dtype: torch.dtype) -> str:
+    """What the GEMM band of the CPU int8 path is called, with the dtype its GEMMs run in."""
+    return f"{'bf16' if gemm_dtype == torch.bfloat16 else 'fp32'} GEMMs over the int8 integers"   # not a layer's path
+
+
+def int8_cpu_rows() -> str:
+    """Which path an int8 call of how many rows takes on this CPU, in words: its thresholds and GEMM dtype."""
+    t, most = cpu_thresholds(), INT8_KERNEL_MAX_ROWS
+    if min(t.int8_gemm_min_rows, t.int8_gemm_min_rows_tiled) > most:
+        return f"the kernel up to {most} rows per call (GEMMs over the integers never won on {t.measured_on})"
+    gemm = int8_gemm_name(torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    one, tiled = min(t.int8_gemm_min_rows - 1, most), min(t.int8_gemm_min_rows_tiled - 1, most)
+    return f"the kernel up to {one} rows per call ({tiled} for a vocabulary-sized head), then {gemm} up to {most}"
+
+
 class Int8TiledGemm(KernelPath):
-    """bf16 GEMMs over the int8 integers (exact in bf16), INT8_GEMM_TILE output rows at a time, scales after.
+    """GEMMs over the int8 integers (exact in bf16 and fp32), INT8_GEMM_TILE output rows at a time, scales after.
 
     The CPU int8 kernel walks the whole weight once per row; from some rows up (`cpu_thresholds`) GEMMs over
-    a bf16 copy of each tile, small enough to stay in cache, compute the same product faster.
+    a float copy of each tile, small enough to stay in cache, compute the same product faster. The operands are
+    the kernel's (activations rounded to bf16, scales in bf16); the GEMMs run in bf16 where the CPU multiplies
+    bf16 in hardware and in fp32 elsewhere, where bf16 GEMMs are emulated several times slower than fp32 ones
+    (every product of a bf16 activation and an int8 weight is exact in fp32, so only the sums round differently).
     """
-    name = INT8_GEMM
 
-    def __init__(self, kernel: Int8Kernel, min_rows: int, max_rows: int):
+    def __init__(self, kernel: Int8Kernel, min_rows: int, max_rows: int, gemm_dtype: torch.dtype | None = None):
         super().__init__(min_rows, max_rows)
         self.kernel = kernel                                 # shares its scales in the compute dtype
+        native = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        self.gemm_dtype = validate.choice("gemm_dtype", gemm_dtype or native, (torch.bfloat16, torch.float32))
+        self.name = int8_gemm_name(self.gemm_dtype)
 
     def matmul(self, x2: Tensor, layer) -> Tensor:
-        dtype = self.kernel.compute_dtype
-        x2 = x2.to(dtype).contiguous()                                                   # (rows, K)
+        dtype, gemm = self.kernel.compute_dtype, self.gemm_dtype
+        x2 = x2.to(dtype).to(gemm).contiguous()                                          # (rows, K)
         y = x2.new_empty(x2.shape[0], layer.out_features)                                # (rows, N)
         for n in range(0, layer.out_features, INT8_GEMM_TILE):
-            tile = layer.weight_q[n:n + INT8_GEMM_TILE].to(dtype)                        # (tile, K), exact
+            tile = layer.weight_q[n:n + INT8_GEMM_TILE].to(gemm)                         # (tile, K), exact
             torch.matmul(x2, tile.t(), out=y[:, n:n + INT8_GEMM_TILE])
-        return y.mul_(self.kernel.scales.get(layer))
+        return y.to(dtype).mul_(self.kernel.scales.get(layer))
 
 
 class Int4CpuKernel(KernelPath):
@@ -357,7 +375,7 @@ def choose_kernels(layer, device: torch.device | str, dtype: torch.dtype) -> Ker
 
 
 # -- measuring where the int8 GEMMs take over ---------------------------------------------------------
-MEASURE_ROWS = (1, 2, 4, 6, 8, 10, 12, 14, 16, 17, 18, 20, 24, 32, 48, 64)
+MEASURE_ROWS = (1, 2, 4, 6, 8, 10, 12, 14, 16, 17, 18, 20, 24, 32, 48, 64, 96, 128, 192, 256)   # to the most
 
 
 def int8_gemm_crossover(layer, rows: Sequence[int] = MEASURE_ROWS,

@@ -1,12 +1,13 @@
 """Where int8 layers switch kernels on a CPU: row counts measured on a CPU and kept under its name.
 
-On a CPU an int8 layer runs `aten._weight_int8pack_mm` for calls of few rows and tiled bf16 GEMMs over
-its integers for more (`quant_kernels.Int8TiledGemm`). Both read the same integers in bf16; which is
-faster depends on the CPU, so the row count where the GEMMs take over is measured, not typed in:
-`scripts/measure_quant_thresholds.py` times both at rising row counts and writes the crossover into
-`assets/results/quant_thresholds.json`, keyed by the CPU's model name and vector unit. `cpu_thresholds`
-reads this CPU's record; a CPU without one gets the record named as the default (the CPU the course was
-measured on), and `source` says so.
+On a CPU an int8 layer runs `aten._weight_int8pack_mm` for calls of few rows and tiled GEMMs over its
+integers for more (`quant_kernels.Int8TiledGemm`: bf16 GEMMs where the CPU has bf16 in hardware, fp32 ones
+elsewhere). Both take the same bf16 activations; which is faster depends on the CPU, so the row count where
+the GEMMs take over is measured, not typed in: `scripts/measure_quant_thresholds.py` times both at rising row
+counts and writes the crossover into `assets/results/quant_thresholds.json`, keyed by the CPU's model name
+and vector unit. `cpu_thresholds` reads this CPU's record; a CPU without one gets the record of a CPU with
+the same vector unit, else the one named as the default (the CPU the course was measured on); `source` says
+which.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ MEASURE_COMMAND = "python scripts/measure_quant_thresholds.py"
 
 @dataclass(frozen=True, slots=True)
 class CpuThresholds:
-    """From how many rows per call int8 layers on a CPU run tiled bf16 GEMMs instead of the int8 kernel."""
+    """From how many rows per call int8 layers on a CPU run tiled GEMMs instead of the int8 kernel."""
     int8_gemm_min_rows: int          # a layer of one GEMM tile (every projection of our models)
     int8_gemm_min_rows_tiled: int    # a layer of more than one tile (a vocabulary-sized head)
     measured_on: str                 # the CPU whose record these are: "model name, vector unit"
@@ -55,15 +56,19 @@ def read_records(path: Path = THRESHOLDS_FILE) -> dict:
 
 @functools.cache
 def cpu_thresholds(path: Path = THRESHOLDS_FILE) -> CpuThresholds:
-    """This CPU's measured thresholds, or the default CPU's where it has no record; `source` says which."""
+    """This CPU's measured thresholds; where it has no record, those of a CPU with the same vector unit (the int8
+    kernel's code and, in practice, whether bf16 is in hardware follow it), else the default CPU's; `source` says
+    which."""
     records, key = read_records(path), cpu_key()
+    unit = key.rsplit(", ", 1)[-1]
+    alike = sorted(k for k in records["cpus"] if k.rsplit(", ", 1)[-1] == unit)
     if key in records["cpus"]:
         measured_on = key
         source = f"measured on this CPU ({key}) by {MEASURE_COMMAND}"
-    elif records["default"] in records["cpus"]:
-        measured_on = records["default"]
-        source = (f"no record for this CPU ({key}): the values measured on {measured_on}; "
-                  f"{MEASURE_COMMAND} measures this one")
+    elif alike or records["default"] in records["cpus"]:
+        measured_on = alike[0] if alike else records["default"]
+        source = (f"no record for this CPU ({key}): the values measured on {measured_on}"
+                  f"{', the same vector unit' if alike else ''}; {MEASURE_COMMAND} measures this one")
     else:
         raise FileNotFoundError(f"{path} holds no thresholds for {key} and no default CPU's; "
                                 f"run {MEASURE_COMMAND} to measure them")

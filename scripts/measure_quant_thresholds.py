@@ -1,8 +1,9 @@
-"""Measure, on this CPU, from how many rows int8 layers run tiled bf16 GEMMs instead of the int8 kernel.
+"""Measure, on this CPU, from how many rows int8 layers run tiled GEMMs instead of the int8 kernel.
 
 Times both paths (quant_kernels.int8_gemm_crossover) on two int8 layers shaped like SmolLM2-135M's: its
 fused gate and up projections (576 -> 3072, one GEMM tile) and its vocabulary head (576 -> 49152, twelve
-tiles), and writes the crossovers into infopt_lab/assets/results/quant_thresholds.json under this CPU's
+tiles), with the GEMMs in the dtype this CPU gives them (bf16 where it has bf16 in hardware, fp32 elsewhere),
+and writes the crossovers into infopt_lab/assets/results/quant_thresholds.json under this CPU's
 name and vector unit (quant_thresholds.cpu_key). Takes under a minute on a 2-core CPU. Usage:
     python scripts/measure_quant_thresholds.py [--repeats N] [--out PATH]
 """
@@ -20,7 +21,7 @@ from infopt_lab.quant_kernels import int8_gemm_crossover
 from infopt_lab.quant_thresholds import THRESHOLDS_FILE, cpu_key, save_thresholds
 
 LAYERS = {"one tile": (576, 3072), "tiled": (576, 49152)}   # (in, out) features
-HEAD_ROWS = (1, 2, 4, 6, 7, 8, 9, 10, 12, 16, 24, 32)       # fewer and smaller: each call reads 28 MB
+HEAD_ROWS = (1, 2, 4, 6, 7, 8, 9, 10, 12, 16, 24, 32, 64, 128)   # fewer: each call reads 28 MB
 
 
 def idle_share(seconds: float = 1.0) -> float | None:

@@ -73,6 +73,45 @@ def test_int8_many_rows_take_tiled_gemms_that_equal_the_kernel_up_to_bf16(out_fe
     assert calls == [many, few]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-in-hardware", "bf16-emulated"])
+def test_int8_gemms_run_in_bf16_only_where_the_cpu_has_it_and_equal_the_kernel_either_way(native, monkeypatch):
+    """A CPU without bf16 in hardware emulates bf16 GEMMs several times slower than fp32 ones: there the GEMMs
+    run in fp32 over the same bf16 activations (each product exact), and the result still is the kernel's."""
+    if not KERNELS_HERE["int8"]:
+        pytest.skip("no working CPU int8 kernel here")
+    monkeypatch.setattr(quant_kernels, "cpu_has_native_bf16", lambda: native)
+    g = torch.Generator().manual_seed(7)
+    linear = nn.Linear(96, 4096 + 40, bias=False)                       # two tiles
+    with torch.no_grad():
+        linear.weight.copy_(0.02 * torch.randn(4096 + 40, 96, generator=g))
+    ql = lab.quantize_linear(linear, "int8")
+    kernel = ql.kernels.pick(1)
+    gemm = quant_kernels.Int8TiledGemm(kernel, 0, quantize.INT8_KERNEL_MAX_ROWS)
+    want = torch.bfloat16 if native else torch.float32
+    assert gemm.gemm_dtype == want and gemm.name.startswith("bf16" if native else "fp32")
+    seen, matmul = [], torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b, **kw: seen.append((a.dtype, b.dtype)) or matmul(a, b, **kw))
+    x = torch.randn(40, 96, generator=g)
+    y = gemm.matmul(x, ql)
+    assert seen == [(want, want)] * 2 and y.dtype == torch.bfloat16
+    assert _rel(y.float(), kernel.matmul(x, ql).float()) < 5e-3
+    with pytest.raises(ValueError, match="gemm_dtype must be one of"):
+        quant_kernels.Int8TiledGemm(kernel, 0, 8, gemm_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-in-hardware", "bf16-emulated"])
+def test_the_int8_rows_sentence_follows_this_cpus_thresholds_and_gemm_dtype(native, monkeypatch):
+    from infopt_lab.quant_thresholds import CpuThresholds
+    monkeypatch.setattr(quant_kernels, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(quant_kernels, "cpu_thresholds", lambda: CpuThresholds(17, 8, "Some CPU, AVX2", "a test"))
+    assert quant_kernels.int8_cpu_rows() == (
+        f"the kernel up to 16 rows per call (7 for a vocabulary-sized head), then {'bf16' if native else 'fp32'} "
+        "GEMMs over the int8 integers up to 256")
+    monkeypatch.setattr(quant_kernels, "cpu_thresholds", lambda: CpuThresholds(257, 257, "Some CPU, AVX2", "a test"))
+    assert quant_kernels.int8_cpu_rows() == ("the kernel up to 256 rows per call (GEMMs over the integers never won "
+                                             "on Some CPU, AVX2)")
+
+
 @needs_int4_kernel
 def test_int4_kernel_packing_round_trips_exactly():
     """The kernel's packed weights hold exactly our integers, and its (scale, offset) pairs our scale and zero."""
@@ -192,7 +231,14 @@ def test_thresholds_are_this_cpus_record_or_say_whose_they_are(tmp_path, monkeyp
     quant_thresholds.cpu_thresholds.cache_clear()
     other = quant_thresholds.cpu_thresholds(path)
     assert (other.int8_gemm_min_rows, other.measured_on) == (12, "Some CPU, AVX2")
-    assert "no record for this CPU (Other CPU, DEFAULT)" in other.source
+    assert "no record for this CPU (Other CPU, DEFAULT)" in other.source and "same vector unit" not in other.source
+    monkeypatch.setattr(quant_thresholds, "cpu_key", lambda: "Third CPU, AVX512")
+    quant_thresholds.save_thresholds(40, 30, {}, path)                 # a second record, not the default
+    monkeypatch.setattr(quant_thresholds, "cpu_key", lambda: "Laptop CPU, AVX512")
+    quant_thresholds.cpu_thresholds.cache_clear()
+    alike = quant_thresholds.cpu_thresholds(path)                      # no record: the same vector unit's
+    assert (alike.int8_gemm_min_rows, alike.measured_on) == (40, "Third CPU, AVX512")
+    assert "no record for this CPU (Laptop CPU, AVX512)" in alike.source and "same vector unit" in alike.source
     with pytest.raises(ValueError, match="int8_gemm_min_rows must be an integer >= 1, got 0"):
         quant_thresholds.save_thresholds(0, 6, {}, path)
     quant_thresholds.cpu_thresholds.cache_clear()
