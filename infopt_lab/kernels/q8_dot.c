@@ -27,6 +27,7 @@
 #define QB 32            /* activations per quantization block */
 #define ROW_TILE 4       /* activation rows computed together over one weight row */
 #define COL_TILE 4       /* int4: weight rows computed together for one activation row */
+#define PF_ROWS 16       /* int4, one row: how many weight rows ahead q4_cols asks for the weights it will read */
 
 /* Activations of one call, quantized: a [rows, K] int8, and per block of 32 its scale d and d times the sum
  * of its integers (ds, for the int4 zero points). For int4, each 64 values are stored in the order of the
@@ -173,7 +174,11 @@ ALWAYS_INLINE void q4_tile(const Quantized *q, int64_t r0, const int rt, int64_t
  * all nc. Each output's operations are q4_tile's for one row, in the same order: the same result, bit for bit.
  * One token over a SmolLM2-sized stack of int4 weights (67 MB, 2 threads, a 2-core Intel Xeon, native build):
  * 0.68-0.79x the time of one weight row at a time; built for AVX2 only (-march=haswell) on the same CPU, 1.02-1.04x
- * (scripts/q8_kernel_ab.py measures both). int8 keeps one row at a time: tiled, it took 1.03-1.04x. */
+ * (scripts/q8_kernel_ab.py measures both). int8 keeps one row at a time: tiled, it took 1.03-1.04x.
+ * A weight row of K = 576 is 288 bytes, under five cache lines, so a tile reads four short streams at once and
+ * the hardware prefetcher lags behind them; asking for the lines PF_ROWS rows ahead took the same stack 0.77-0.85x
+ * the time on a 2-core AMD EPYC (Zen 1, AVX2; 2 threads; 0.87x with 1), results bit for bit the same. The
+ * many-row tiles compute more per byte: prefetching there changed nothing (0.99-1.00x at 4 and 8 rows). */
 ALWAYS_INLINE void q4_cols(const Quantized *q, int64_t r, const int nc, int64_t K, const uint8_t *w,
                            const float *scales, const uint8_t *zeros, int64_t G, int64_t n, int64_t N, float *y) {
     const int64_t nb = K / QB, np = K / (2 * QB), ng = K / G, bpg = G / QB;
@@ -184,6 +189,9 @@ ALWAYS_INLINE void q4_cols(const Quantized *q, int64_t r, const int nc, int64_t 
         const __m256i a_even = _mm256_loadu_si256((const __m256i *)ap);
         const __m256i a_odd = _mm256_loadu_si256((const __m256i *)(ap + QB));
         const __m256 dv = _mm256_loadu_ps(q->dv + (r * nb + 2 * p) * 4);
+        if (p % 2 == 0 && n + PF_ROWS + nc <= N)            /* one cache line of each row, PF_ROWS rows on */
+            for (int j = 0; j < nc; j++)
+                _mm_prefetch((const char *)(w + (n + j + PF_ROWS) * (K / 2) + p * QB), _MM_HINT_T0);
         for (int j = 0; j < nc; j++) {
             const Q4Pair wj = q4_pair(w + (n + j) * (K / 2), scales + (n + j) * ng, p, bpg);
             const __m256i dot = dot2_u8s8(wj.lo, a_even, wj.hi, a_odd);
