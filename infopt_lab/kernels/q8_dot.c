@@ -137,10 +137,18 @@ ALWAYS_INLINE Q4Pair q4_pair(const uint8_t *wn, const float *sn, int64_t p, int6
     return w;
 }
 
-/* The zero points' term of one output: sum over groups g of s[n, g] z[n, g] dsg[r, g], in group order. */
+/* The zero points' term of one output: sum over groups g of s[n, g] z[n, g] dsg[r, g], eight groups a vector
+ * (lane i sums groups i, i + 8, ...; the lanes are added as hsum adds them), then the last ng % 8 in order.
+ * One output row and a many-row tile call it alike, so a row's result stays the same alone or in a batch. */
 ALWAYS_INLINE float q4_zero_term(const float *sn, const uint8_t *zn, const float *dsg, int64_t ng) {
-    float corr = 0.0f;
-    for (int64_t g = 0; g < ng; g++) corr += sn[g] * (float)zn[g] * dsg[g];
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+        const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zn + g))));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sn + g), z), _mm256_loadu_ps(dsg + g)));
+    }
+    float corr = hsum(acc);
+    for (; g < ng; g++) corr += sn[g] * (float)zn[g] * dsg[g];
     return corr;
 }
 
