@@ -43,19 +43,20 @@ def corpus_windows(tok, n: int, window: int, seed: int) -> list[list[int]]:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options; their defaults are the bundled draft's recipe (a test holds them to its card)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="runs/eagle")
     ap.add_argument("--code-prompts", type=int, default=320)
     ap.add_argument("--chat-prompts", type=int, default=480)
-    ap.add_argument("--prompt-seeds", type=int, nargs="+", default=[29],
+    ap.add_argument("--prompt-seeds", type=int, nargs="+", default=[29, 30],
                     help="each seed draws --code-prompts + --chat-prompts more prompts (repeats dropped)")
     ap.add_argument("--new-tokens", type=int, default=160)
-    ap.add_argument("--corpus-windows", type=int, default=600)
+    ap.add_argument("--corpus-windows", type=int, default=1200)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=1800)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=0.006)
     ap.add_argument("--unroll", type=int, default=2)
@@ -63,10 +64,14 @@ def main() -> None:
     ap.add_argument("--reg-weight", type=float, default=1.0)
     ap.add_argument("--reg-space", choices=("normed", "raw"), default="normed",
                     help="regress the features after the target's final norm (what its head reads) or before it")
-    ap.add_argument("--max-minutes", type=float, default=50)
+    ap.add_argument("--max-minutes", type=float, default=75)
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--card-only", action="store_true", help="measure the saved draft and write its MODEL_CARD.md")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.card_only:
         write_card(Path(args.out))
         return

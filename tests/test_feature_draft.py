@@ -214,3 +214,22 @@ def test_the_engines_catch_up_reads_the_feature_of_the_position_before(first, he
     want = torch.stack([features[j - 1 - first] if 0 <= j - 1 - first < held else torch.zeros(3)
                         for j in range(begin, last + 1)])
     assert torch.equal(_shifted_rows(features, first, begin, last, 3), want)
+
+
+def test_the_recipes_defaults_remake_the_bundled_draft():
+    """`python scripts/train_feature_draft.py --out DIR`, as the README gives it, is the command on the card."""
+    import importlib.util
+    import json
+    import shlex
+    from pathlib import Path
+
+    from infopt_lab.loading import ASSETS
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_feature_draft.py"
+    spec = importlib.util.spec_from_file_location("train_feature_draft", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    parser = module.build_parser()
+    card = json.loads((ASSETS / fd.BUNDLED_NAME / "config.json").read_text())
+    bundled = vars(parser.parse_args(shlex.split(card["command"])[2:]))
+    defaults = vars(parser.parse_args(["--out", bundled["out"]]))
+    assert defaults == bundled
