@@ -233,3 +233,22 @@ def test_the_recipes_defaults_remake_the_bundled_draft():
     bundled = vars(parser.parse_args(shlex.split(card["command"])[2:]))
     defaults = vars(parser.parse_args(["--out", bundled["out"]]))
     assert defaults == bundled
+
+
+def test_the_bench_times_both_layouts_in_one_run_and_the_layout_keeps_the_logits():
+    """The feature-draft bench's row-major rows: the copy computes what the column-major model does (to fp32
+    rounding), and `paired_pass_costs` gives each model's pass at every n from one interleaved run."""
+    import copy
+
+    from infopt_lab.bench.feature_draft import paired_pass_costs
+    from infopt_lab.lowering import lay_out_for
+    from infopt_lab.model import weight_layout
+    target, _ = lab.load_model("target", dtype=torch.float32)
+    row = copy.deepcopy(target)
+    lay_out_for(row, "reduction")
+    assert weight_layout(row) == "row"
+    ids = torch.randint(0, target.config.vocab_size, (1, 9))
+    torch.testing.assert_close(row(ids), target(ids), rtol=1e-4, atol=1e-4)
+    a, b = paired_pass_costs(target, row, new_tokens=(1, 3), prefix=16, repeats=3)
+    assert list(a) == list(b) == [1, 3]
+    assert all(0 < s < 10 for s in (*a.values(), *b.values()))

@@ -18,6 +18,7 @@ from ..feature_draft import BUNDLED_NAME, FeatureDraft, load_feature_draft
 from ..generate import encode_prompt, generate
 from ..kv_cache import KVCache
 from ..loading import DRAFT_OF, load_model
+from ..model import weight_layout
 from ..speculative import SpeculativeOutput, expected_tokens_per_pass, speculative_generate
 from ..timing import time_interleaved
 from .engine import losing_from
@@ -27,10 +28,8 @@ from .result import Result, describe_model
 FEATURE_DRAFT_OF = {"smollm2-135m": BUNDLED_NAME}     # each model's bundled feature draft
 
 
-@torch.inference_mode()
-def pass_costs(target, drafts: dict, new_tokens=(1, 2, 3, 4, 5), prefix: int = 160,
-               repeats: int = 30) -> tuple[dict[int, float], dict[str, float]]:
-    """Median seconds of a target pass over n tokens after a cached prefix (each n), and of one step of each draft."""
+def _target_passes(target, new_tokens, prefix: int) -> dict:
+    """n -> a call running a pass of n tokens after a cached prefix of `prefix` tokens (its own cache)."""
     device = next(target.parameters()).device
     cache = KVCache.for_model(target, 1, prefix + max(new_tokens) + 1)
     target(torch.randint(0, 100, (1, prefix), device=device), torch.arange(prefix, device=device), cache)
@@ -39,7 +38,25 @@ def pass_costs(target, drafts: dict, new_tokens=(1, 2, 3, 4, 5), prefix: int = 1
         x, pos = torch.randint(0, 100, (1, m), device=device), torch.arange(prefix, prefix + m, device=device)
         return lambda: target.logits(target.hidden_states(x, pos, cache))
 
-    fns = {n: target_pass(n) for n in new_tokens}
+    return {n: target_pass(n) for n in new_tokens}
+
+
+@torch.inference_mode()
+def paired_pass_costs(target, other, new_tokens=(1, 2, 3, 4, 5), prefix: int = 160,
+                      repeats: int = 30) -> tuple[dict[int, float], dict[int, float]]:
+    """Median seconds of each model's pass over n tokens, the two timed in one interleaved run (each n)."""
+    a, b = _target_passes(target, new_tokens, prefix), _target_passes(other, new_tokens, prefix)
+    med = time_interleaved({**{("a", n): f for n, f in a.items()}, **{("b", n): f for n, f in b.items()}},
+                           repeats=repeats, warmup=2, device=next(target.parameters()).device)
+    return {n: med[("a", n)] for n in new_tokens}, {n: med[("b", n)] for n in new_tokens}
+
+
+@torch.inference_mode()
+def pass_costs(target, drafts: dict, new_tokens=(1, 2, 3, 4, 5), prefix: int = 160,
+               repeats: int = 30) -> tuple[dict[int, float], dict[str, float]]:
+    """Median seconds of a target pass over n tokens after a cached prefix (each n), and of one step of each draft."""
+    device = next(target.parameters()).device
+    fns = _target_passes(target, new_tokens, prefix)
     for name, draft in drafts.items():
         if isinstance(draft, FeatureDraft):
             dc = KVCache.for_model(draft, 1, prefix + 2)
@@ -55,6 +72,16 @@ def pass_costs(target, drafts: dict, new_tokens=(1, 2, 3, 4, 5), prefix: int = 1
             fns[name] = lambda draft=draft, dc=dc, x1=x1, p1=p1: draft(x1, p1, dc).argmax()
     med = time_interleaved(fns, repeats=repeats, warmup=2, device=device)
     return {n: med[n] for n in new_tokens}, {name: med[name] for name in drafts}
+
+
+def _pass_cost_row(r: Result, target, drafts: dict, ks) -> tuple[float, dict[int, float], dict[str, float]]:
+    """The target's one-token pass in seconds, v(n) and each draft's c, measured and added to `r`."""
+    v_secs, d_secs = pass_costs(target, drafts, new_tokens=tuple(range(1, max(ks) + 2)))
+    v = {n: s / v_secs[1] for n, s in v_secs.items()}
+    c = {d: s / v_secs[1] for d, s in d_secs.items()}
+    r.add("pass costs", f"target 1 token {1e3 * v_secs[1]:.1f} ms; v(n) "
+          + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()) + "; c " + ", ".join(f"{d} {x:.3f}" for d, x in c.items()))
+    return v_secs[1], v, c
 
 
 def predicted_speedup(alpha: float, k: int, c: float, v: dict[int, float]) -> float:
@@ -113,29 +140,64 @@ def _engine_rows(r: Result, target, tok, feature, prompts, k: int, new_tokens: i
 
 
 def _compiled_rows(r: Result, rows: dict, add_row, model_name, dtype, device, tok, prompts, ids, want,
-                   alone_s: float, k: int, new_tokens: int, values: dict) -> None:
-    """The target alone and the feature draft at k through compiled graphs, on a second copy of the target
+                   alone_s: float, ks, new_tokens: int, values: dict) -> None:
+    """The target alone and the feature draft at each k through compiled graphs, on a second copy of the target
     (compiling re-lays its weights), each against eager and against each other."""
     fast, _ = load_model(model_name, dtype=dtype, device=device)
     fast_feature = load_feature_draft(fast, FEATURE_DRAFT_OF[model_name])
     _alone(fast, tok, prompts[:1], 4, compile=True)                        # compile outside the clock
-    _spec_run(fast, fast_feature, ids[:1], k, 4, compile=True)
     fast_s, _ = _alone(fast, tok, prompts, new_tokens, compile=True)
     r.add("target alone, compiled", f"{sum(map(len, want)) / fast_s:.1f} tok/s ({alone_s / fast_s:.2f}x eager)")
-    secs, agg, got = _spec_run(fast, fast_feature, ids, k, new_tokens, compile=True)
-    add_row(f"feature k={k}, compiled", k, secs, agg, got, alone_s)
-    rows[f"feature k={k}, compiled"]["over_compiled_alone"] = fast_s / secs
-    r.add(f"feature k={k}, compiled / target alone compiled", f"{fast_s / secs:.2f}x")
+    for k in ks:
+        _spec_run(fast, fast_feature, ids[:1], k, 4, compile=True)        # this k's verify width, compiled
+        secs, agg, got = _spec_run(fast, fast_feature, ids, k, new_tokens, compile=True)
+        add_row(f"feature k={k}, compiled", k, secs, agg, got, alone_s)
+        rows[f"feature k={k}, compiled"]["over_compiled_alone"] = fast_s / secs
+        r.add(f"feature k={k}, compiled / target alone compiled", f"{fast_s / secs:.2f}x")
     values["alone_compiled_over_eager"] = alone_s / fast_s
+
+
+def _layout_rows(r: Result, rows: dict, add_row, target, model_name, tok, prompts, ids, eager_want,
+                 alone_s: float, c: float, ks, new_tokens: int, values: dict) -> None:
+    """The feature draft at each k on a second copy of the target with row-major weights (lowering.lay_out_for).
+
+    load_model lays a CPU model's weights column-major, the layout MKL's one-row product reads fastest; a
+    verify pass of a few rows runs MKL's matrix-matrix product instead, which on some CPUs reads row-major
+    weights faster. Its pass costs are timed beside the eager target's and given relative to its one-token pass,
+    and c is the feature draft's (the same draft), so the formula predicts the speedup over the eager target
+    alone, which it is measured against."""
+    from ..lowering import lay_out_for
+    row, _ = load_model(model_name, dtype=torch.float32, device=next(target.parameters()).device)
+    lay_out_for(row, "reduction")                                          # row-major weights, fused again
+    row_feature = load_feature_draft(row, FEATURE_DRAFT_OF[model_name])
+    col_secs, row_secs = paired_pass_costs(target, row, new_tokens=tuple(range(1, max(ks) + 2)))
+    v = {n: s / col_secs[1] for n, s in row_secs.items()}
+    col_v = {n: s / col_secs[1] for n, s in col_secs.items()}
+    r.add("row-major: pass costs", "timed beside the column-major target, relative to its 1-token pass: v(n) "
+          + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()) + " (column-major, same run: "
+          + ", ".join(f"{n}: {x:.2f}" for n, x in col_v.items()) + ")")
+    (row_s, row_want), (again_s, _) = (_alone(row, tok, prompts, new_tokens) for _ in range(2))
+    row_s = min(row_s, again_s)
+    r.add("row-major: target alone", f"{sum(map(len, row_want)) / row_s:.1f} tok/s ({alone_s / row_s:.2f}x the "
+          f"column-major target); tokens {'the same as' if row_want == eager_want else 'not all the same as'} "
+          "the column-major target's")
+    for k in ks:
+        secs, agg, got = _spec_run(row, row_feature, ids, k, new_tokens)
+        label = f"feature k={k}, row-major"
+        add_row(label, k, secs, agg, got, alone_s, c, v=v, want=row_want)
+        rows[label]["over_row_major_alone"] = row_s / secs
+    values["row_major"] = {"v": v, "c": c, "alone_over_column": alone_s / row_s,
+                           "same_tokens_as_column": row_want == eager_want}
 
 
 def bench_feature_draft(model_name: str = "smollm2-135m", n_prompts: int = 16, new_tokens: int = 48,
                         ks: tuple[int, ...] = (2, 3, 4), dtype: torch.dtype = torch.float32, compile: bool = True,
-                        batch_sizes: tuple[int, ...] = (1, 4, 8), seed: int = 26) -> Result:
+                        batch_sizes: tuple[int, ...] = (1, 4, 8, 16), seed: int = 26, layouts: bool = True) -> Result:
     """Feature draft vs distilled draft vs the target alone: c, v(n), acceptance, predicted and measured speedups.
 
-    With `compile`, the target alone and the feature draft's best k run once more through compiled graphs
-    (a second copy of the target: compiling re-lays its weights), each against the other and against eager.
+    With `compile`, the target alone and the feature draft at each k run once more through compiled graphs
+    (`_compiled_rows`); with `layouts` (fp32 on a CPU), on a copy of the target with row-major weights, the
+    layout a verify pass's few-row products may read faster (`_layout_rows`).
     """
     if model_name not in FEATURE_DRAFT_OF:
         raise ValueError(f"no bundled feature draft for {model_name!r}; choose from {list(FEATURE_DRAFT_OF)}")
@@ -151,19 +213,15 @@ def bench_feature_draft(model_name: str = "smollm2-135m", n_prompts: int = 16, n
                     f"{feature.num_parameters() / 1e6:.2f}M params over {feature.coverage_size} tokens; "
                     f"distilled {describe_model(DRAFT_OF[model_name], distilled, device)}")
     r.add("prompts", f"{len(prompts)} held-out (seed {seed}: code and chat), up to {new_tokens} new tokens, greedy")
-    v_secs, d_secs = pass_costs(target, {"feature": feature, "distilled": distilled},
-                                new_tokens=tuple(range(1, max(ks) + 2)))
-    v = {n: s / v_secs[1] for n, s in v_secs.items()}
-    c = {d: s / v_secs[1] for d, s in d_secs.items()}
-    r.add("pass costs", f"target 1 token {1e3 * v_secs[1]:.1f} ms; v(n) "
-          + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()) + "; c " + ", ".join(f"{d} {x:.3f}" for d, x in c.items()))
+    step_s, v, c = _pass_cost_row(r, target, {"feature": feature, "distilled": distilled}, ks)
     (alone_s, want), (again_s, _) = (_alone(target, tok, prompts, new_tokens) for _ in range(2))
     alone_s = min(alone_s, again_s)
     r.add("target alone", f"{sum(map(len, want)) / alone_s:.1f} tok/s")
     lists = [x[0].tolist() for x in ids]
     rows = {}
 
-    def add_row(label: str, k: int, secs: float, agg: SpeculativeOutput, got, base_s: float, c_draft=None):
+    def add_row(label: str, k: int, secs: float, agg: SpeculativeOutput, got, base_s: float, c_draft=None,
+                v=v, want=want):
         agreement = compare(target, lists, want, got)
         pred = predicted_speedup(agg.acceptance_rate, k, c_draft, v) if c_draft is not None else None
         rows[label] = row = {"k": k, "yield": agg.draft_yield, "alpha": agg.acceptance_rate,
@@ -180,12 +238,15 @@ def bench_feature_draft(model_name: str = "smollm2-135m", n_prompts: int = 16, n
     k_best = max(ks, key=lambda k: rows[f"feature k={k}"]["measured"])
     secs, agg, got = _spec_run(target, distilled, ids, 3, new_tokens)
     add_row("distilled k=3", 3, secs, agg, got, alone_s, c["distilled"])
-    values = {"c": c, "v": v, "target_step_s": v_secs[1], "rows": rows, "precision": name}
+    values = {"c": c, "v": v, "target_step_s": step_s, "rows": rows, "precision": name}
+    if layouts and dtype == torch.float32 and weight_layout(target) == "column":     # a CPU: load_model's layout
+        _layout_rows(r, rows, add_row, target, model_name, tok, prompts, ids, want, alone_s, c["feature"], ks,
+                     new_tokens, values)
     if compile:
-        _compiled_rows(r, rows, add_row, model_name, dtype, device, tok, prompts, ids, want, alone_s, k_best,
+        _compiled_rows(r, rows, add_row, model_name, dtype, device, tok, prompts, ids, want, alone_s, ks,
                        new_tokens, values)
     best = max(rows, key=lambda key: rows[key]["measured"])
     r.add("best / target alone (eager)", f"{rows[best]['measured']:.2f}x ({best})")
-    values |= {"best": best, **_engine_rows(r, target, tok, feature, prompts[:8], k_best, new_tokens, batch_sizes)}
+    values |= {"best": best, **_engine_rows(r, target, tok, feature, prompts, k_best, new_tokens, batch_sizes)}
     r.values = values
     return r
