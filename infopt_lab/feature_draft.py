@@ -53,6 +53,7 @@ class FeatureDraft(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._target: list = []                                             # not a submodule: never saved
+        self.quantization: tuple[str, int | None] | None = None             # (scheme, group size): `quantized`
 
     # -- the target's pieces -------------------------------------------------------------------
     def attach(self, target) -> "FeatureDraft":
@@ -65,6 +66,8 @@ class FeatureDraft(nn.Module):
         p = next(target.parameters())
         self.to(device=p.device, dtype=p.dtype)
         self.head = target.lm_head.weight.detach()[self.token_ids]          # (N, C): the covered rows, a copy
+        if self.quantization is not None:                                   # a quantized draft: its head too
+            self.head = _quantized_head(self.head, *self.quantization)
         return self
 
     def bind(self, target) -> "FeatureDraft":
@@ -93,6 +96,8 @@ class FeatureDraft(nn.Module):
 
     def covered_logits(self, h: Tensor) -> Tensor:
         """Logits over the covered tokens [..., N] of features [..., C] (the target's norm, the covered head rows)."""
+        if self.quantization is not None:
+            return self.head(self.target.norm(h))
         return F.linear(self.target.norm(h), self.head)
 
     def logits(self, h: Tensor) -> Tensor:
@@ -106,12 +111,42 @@ class FeatureDraft(nn.Module):
         return out.index_copy_(-1, self.token_ids, covered)
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Its own weights, float or quantized (the target's embedding, norm and head are not counted)."""
+        from .quantize import QuantLinear
+        stored = sum(m.in_features * m.out_features + (0 if m.bias is None else m.bias.numel())
+                     for m in self.modules() if isinstance(m, QuantLinear) and m is not getattr(self, "head", None))
+        return sum(p.numel() for p in self.parameters()) + stored
+
+    def quantized(self, scheme: str = "int8", group_size: int | None = None) -> "FeatureDraft":
+        """A copy whose own products (fc, its layer) and covered head read `scheme` weights; this draft is untouched.
+
+        A draft step streams its own weights and head, so on a CPU it costs about their bytes: int8 gives a
+        quarter of fp32's. The draft only proposes, so the tokens stay the target's; what rounding costs is
+        acceptance, which the bench measures beside the float draft's. On a CPU where the hand-written kernel
+        runs (cpu_q8.py) the layers compute with it. The target's embedding and norm stay as they are.
+        """
+        from .quantize import quantize_model
+        if self.quantization is not None:
+            raise ValueError(f"this draft is already quantized ({self.quantization[0]}); quantize the float draft")
+        target, head = self._target, self.__dict__.pop("head", None)
+        self._target = []                                                   # neither the target nor the head
+        try:                                                                # is the copy's to deep-copy
+            new = quantize_model(self, scheme, group_size)
+        finally:
+            self._target = target
+            if head is not None:
+                self.head = head
+        new.quantization = (scheme, group_size)
+        _on_cpu_kernel(new)
+        return new.attach(target[0]) if target else new
 
     # -- storage -------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16, card: dict | None = None) -> Path:
         """Write draft.safetensors (its own weights and covered ids) and config.json (the target's shape)."""
         from safetensors.torch import save_file
+        if self.quantization is not None:
+            raise ValueError("save the float draft and quantize it after loading (draft.quantized()): a quantized "
+                             "draft is remade from it in a second")
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
@@ -135,6 +170,26 @@ class FeatureDraft(nn.Module):
         draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         draft.eval()
         return draft.attach(target) if target is not None else draft
+
+
+def _on_cpu_kernel(module: nn.Module) -> None:
+    """Switch a quantized module's layers on a CPU to the hand-written kernel where it runs here (cpu_q8.py)."""
+    from . import cpu_q8
+    from .quantize import use_q8_kernel
+    p = next(module.buffers())
+    if p.device.type == "cpu" and cpu_q8.why_not() is None:
+        use_q8_kernel(module)
+
+
+def _quantized_head(rows: Tensor, scheme: str, group_size: int | None) -> nn.Module:
+    """The covered head rows [N, C] as a quantized linear layer (N outputs), on the kernel a CPU runs."""
+    from .quantize import quantize_linear
+    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(rows)
+    head = quantize_linear(linear, scheme, group_size)
+    _on_cpu_kernel(head)
+    return head
 
 
 def load_feature_draft(target, name_or_path: str | Path = BUNDLED_NAME) -> FeatureDraft:

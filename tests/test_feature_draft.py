@@ -252,3 +252,71 @@ def test_the_bench_times_both_layouts_in_one_run_and_the_layout_keeps_the_logits
     a, b = paired_pass_costs(target, row, new_tokens=(1, 3), prefix=16, repeats=3)
     assert list(a) == list(b) == [1, 3]
     assert all(0 < s < 10 for s in (*a.values(), *b.values()))
+
+
+@pytest.mark.parametrize("scheme, group_size", [("int8", None), ("int4", 32)])
+def test_a_quantized_draft_proposes_for_the_target_and_leaves_the_float_draft_alone(trained, scheme, group_size):
+    """`draft.quantized()` rounds the draft's own layers and its covered head: proposals may move, the tokens are
+    still the target's (greedy, stop tokens, inside the engine), and the float draft is untouched."""
+    from infopt_lab.quantize import QuantLinear
+    target, tok, draft, _ = trained
+    h = torch.randn(2, 5, target.config.dim)
+    with torch.no_grad():
+        before = draft.covered_logits(h)
+    q = draft.quantized(scheme, group_size)
+    assert q.quantization == (scheme, group_size) and draft.quantization is None
+    assert isinstance(q.head, QuantLinear) and isinstance(q.fc, QuantLinear) and not isinstance(draft.fc, QuantLinear)
+    assert q.num_parameters() == draft.num_parameters()
+    with torch.no_grad():
+        assert torch.equal(draft.covered_logits(h), before)
+        err = (q.covered_logits(h) - before).abs().max() / before.abs().max()
+    assert 0 < err < (0.05 if scheme == "int8" else 0.2), err
+    newline = tok.encode("\n", add_special_tokens=False)
+    accepted = {}
+    for prompt in heldout_prompts(tok, 3 if scheme == "int8" else 1, seed=29):
+        ids = torch.tensor([tok.encode(prompt)])
+        for stops in ((), newline):
+            want = lab.generate(target, tok, prompt, max_new_tokens=40, stop_token_ids=stops).token_ids
+            for d in (draft, q):
+                out = sp.speculative_generate(target, d, ids, max_new_tokens=40, k=3, stop_token_ids=stops)
+                assert out.token_ids == want, (prompt, stops)
+                accepted.setdefault(d is q, []).extend(out.rounds)
+    rate = {quantized: sp.SpeculativeOutput([], 3, r, 0, 0, 1.0).acceptance_rate for quantized, r in accepted.items()}
+    assert rate[True] > 0.5 * rate[False] > 0                      # rounding moves proposals, not the draft away
+    with pytest.raises(ValueError, match="already quantized"):
+        q.quantized()
+    with pytest.raises(ValueError, match="quantize it after loading"):
+        q.save_pretrained("unused")
+    if scheme == "int4":
+        return
+    prompts = heldout_prompts(tok, 4, seed=31)
+    plain = lab.Engine(target, tok, max_batch_size=4).generate(prompts, max_new_tokens=24)
+    engine = lab.Engine(target, tok, max_batch_size=4, draft=q, num_speculative_tokens=3)
+    assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=24)] == [o.token_ids for o in plain]
+    assert engine.stats.accepted_tokens > 0
+    with pytest.raises(ValueError, match="scheme"):
+        draft.quantized("int3")
+
+
+def test_the_interleaved_check_times_the_fastest_row_of_each_kind_prompt_by_prompt():
+    """The bench's last word on speed: the target alone (eager, compiled) and the fastest eager, row-major and
+    compiled rows, each decoding prompt i beside the others before prompt i + 1 comes."""
+    import time
+
+    from infopt_lab.bench.feature_draft import interleaved_rows
+    from infopt_lab.bench.result import Result
+    rows = {"feature k=2": 1.2, "feature int8 k=2": 1.3, "distilled k=3": 2.0, "feature k=2, row-major": 1.1,
+            "feature int8 k=2, compiled": 1.5, "feature k=3, compiled": 1.4}
+    rows = {label: {"measured": x} for label, x in rows.items()}
+    calls = []
+
+    def runner(label):
+        return lambda i: lambda: (calls.append((label, i)), time.sleep(1e-4))
+
+    runners = {label: runner(label) for label in ["target alone", "target alone, compiled", *rows]}
+    ratios = interleaved_rows(Result("check"), runners, rows, n_prompts=3, repeats=2)
+    assert list(ratios) == ["target alone", "target alone, compiled", "feature int8 k=2", "feature k=2, row-major",
+                            "feature int8 k=2, compiled"]
+    assert ratios["target alone"] == 1.0 and all(x > 0 for x in ratios.values())
+    assert len(calls) == 2 * 3 * len(ratios)
+    assert [i for _, i in calls[:3 * len(ratios)]] == [i for i in range(3) for _ in ratios]

@@ -20,12 +20,19 @@ from ..kv_cache import KVCache
 from ..loading import DRAFT_OF, load_model
 from ..model import weight_layout
 from ..speculative import SpeculativeOutput, expected_tokens_per_pass, speculative_generate
-from ..timing import time_interleaved
+from ..timing import interleaved_runs, time_interleaved
 from .engine import losing_from
 from .exactness import heldout_prompts
 from .result import Result, describe_model
 
 FEATURE_DRAFT_OF = {"smollm2-135m": BUNDLED_NAME}     # each model's bundled feature draft
+
+
+def feature_drafts(target, model_name: str, quantized: bool = True) -> dict[str, FeatureDraft]:
+    """The bundled feature draft attached to `target` and, with `quantized`, its int8 copy (FeatureDraft.quantized):
+    a draft step streams a quarter of the bytes, at the acceptance the bench measures."""
+    feature = load_feature_draft(target, FEATURE_DRAFT_OF[model_name])
+    return {"feature": feature, **({"feature int8": feature.quantized("int8")} if quantized else {})}
 
 
 def _target_passes(target, new_tokens, prefix: int) -> dict:
@@ -101,6 +108,38 @@ def _alone(target, tok, prompts, new_tokens: int, compile: bool = False) -> tupl
     return sum(o.e2e_s for o in outs), [o.token_ids for o in outs]
 
 
+def spec_runner(target, draft, ids, k: int, new_tokens: int, compile: bool = False):
+    """i -> a call decoding prompt i with the draft (`_spec_run` times it on every prompt), for `interleaved_rows`."""
+    return lambda i: lambda: speculative_generate(target, draft, ids[i], k=k, max_new_tokens=new_tokens,
+                                                  compile=compile)
+
+
+def alone_runner(target, tok, prompts, new_tokens: int, compile: bool = False):
+    """i -> a call decoding prompt i with the target alone, for `interleaved_rows`."""
+    return lambda i: lambda: generate(target, tok, prompts[i], max_new_tokens=new_tokens, compile=compile)
+
+
+def interleaved_rows(r: Result, runners: dict, rows: dict, n_prompts: int, repeats: int = 2) -> dict[str, float]:
+    """The target alone and the fastest row of each kind (eager, row-major, compiled) timed once more, interleaved.
+
+    Each row above is timed over all prompts before the next starts, so a host whose speed drifts between rows
+    moves their ratios. Here every contender decodes prompt i next to the others before prompt i + 1 comes, the
+    whole `repeats` times; each contender's time is the sum over prompts of its fastest run. Ratios over the
+    eager target alone."""
+    kinds = {"eager": lambda key: "," not in key and not key.startswith("distilled"),
+             "row-major": lambda key: key.endswith(", row-major"), "compiled": lambda key: key.endswith(", compiled")}
+    best = [max((key for key in rows if is_kind(key)), key=lambda key: rows[key]["measured"])
+            for is_kind in kinds.values() if any(is_kind(key) for key in rows)]
+    labels = ["target alone"] + (["target alone, compiled"] if "target alone, compiled" in runners else []) + best
+    fns = {(label, i): runners[label](i) for i in range(n_prompts) for label in labels}
+    runs = interleaved_runs(fns, repeats=repeats, warmup=0)
+    secs = {label: sum(min(runs[label, i]) for i in range(n_prompts)) for label in labels}
+    ratios = {label: secs["target alone"] / secs[label] for label in labels}
+    r.add("interleaved", f"every prompt decoded by each in turn, fastest of {repeats}; over the target alone: "
+          + ", ".join(f"{label} {x:.2f}x" for label, x in ratios.items() if label != "target alone"))
+    return ratios
+
+
 def engine_ratios(target, tok, draft, prompts, k: int, new_tokens: int, batch_sizes=(1, 2, 4, 8)) -> dict[int, dict]:
     """Engine throughput with and without the feature draft at each max batch size: ratio and acceptance."""
     from ..engine import Engine
@@ -140,36 +179,40 @@ def _engine_rows(r: Result, target, tok, feature, prompts, k: int, new_tokens: i
 
 
 def _compiled_rows(r: Result, rows: dict, add_row, model_name, dtype, device, tok, prompts, ids, want,
-                   alone_s: float, ks, new_tokens: int, values: dict) -> None:
-    """The target alone and the feature draft at each k through compiled graphs, on a second copy of the target
-    (compiling re-lays its weights), each against eager and against each other."""
+                   alone_s: float, ks, new_tokens: int, values: dict, quantized: bool, runners: dict) -> None:
+    """The target alone and each feature draft at each k through compiled graphs (the target's verify passes; the
+    draft's steps stay eager), on a second copy of the target (compiling re-lays its weights), each against eager
+    and against each other."""
     fast, _ = load_model(model_name, dtype=dtype, device=device)
-    fast_feature = load_feature_draft(fast, FEATURE_DRAFT_OF[model_name])
     _alone(fast, tok, prompts[:1], 4, compile=True)                        # compile outside the clock
     fast_s, _ = _alone(fast, tok, prompts, new_tokens, compile=True)
+    runners["target alone, compiled"] = alone_runner(fast, tok, prompts, new_tokens, compile=True)
     r.add("target alone, compiled", f"{sum(map(len, want)) / fast_s:.1f} tok/s ({alone_s / fast_s:.2f}x eager)")
-    for k in ks:
-        _spec_run(fast, fast_feature, ids[:1], k, 4, compile=True)        # this k's verify width, compiled
-        secs, agg, got = _spec_run(fast, fast_feature, ids, k, new_tokens, compile=True)
-        add_row(f"feature k={k}, compiled", k, secs, agg, got, alone_s)
-        rows[f"feature k={k}, compiled"]["over_compiled_alone"] = fast_s / secs
-        r.add(f"feature k={k}, compiled / target alone compiled", f"{fast_s / secs:.2f}x")
+    for name, draft in feature_drafts(fast, model_name, quantized).items():
+        for k in ks:
+            _spec_run(fast, draft, ids[:1], k, 4, compile=True)            # this k's verify width, compiled
+            secs, agg, got = _spec_run(fast, draft, ids, k, new_tokens, compile=True)
+            label = f"{name} k={k}, compiled"
+            runners[label] = spec_runner(fast, draft, ids, k, new_tokens, compile=True)
+            add_row(label, k, secs, agg, got, alone_s)
+            rows[label]["over_compiled_alone"] = fast_s / secs
+            r.add(f"{label} / target alone compiled", f"{fast_s / secs:.2f}x")
     values["alone_compiled_over_eager"] = alone_s / fast_s
 
 
 def _layout_rows(r: Result, rows: dict, add_row, target, model_name, tok, prompts, ids, eager_want,
-                 alone_s: float, c: float, ks, new_tokens: int, values: dict) -> None:
-    """The feature draft at each k on a second copy of the target with row-major weights (lowering.lay_out_for).
+                 alone_s: float, c: dict[str, float], ks, new_tokens: int, values: dict, quantized: bool,
+                 runners: dict) -> None:
+    """Each feature draft at each k on a second copy of the target with row-major weights (lowering.lay_out_for).
 
     load_model lays a CPU model's weights column-major, the layout MKL's one-row product reads fastest; a
     verify pass of a few rows runs MKL's matrix-matrix product instead, which on some CPUs reads row-major
     weights faster. Its pass costs are timed beside the eager target's and given relative to its one-token pass,
-    and c is the feature draft's (the same draft), so the formula predicts the speedup over the eager target
+    and c is each feature draft's (the same drafts), so the formula predicts the speedup over the eager target
     alone, which it is measured against."""
     from ..lowering import lay_out_for
     row, _ = load_model(model_name, dtype=torch.float32, device=next(target.parameters()).device)
     lay_out_for(row, "reduction")                                          # row-major weights, fused again
-    row_feature = load_feature_draft(row, FEATURE_DRAFT_OF[model_name])
     col_secs, row_secs = paired_pass_costs(target, row, new_tokens=tuple(range(1, max(ks) + 2)))
     v = {n: s / col_secs[1] for n, s in row_secs.items()}
     col_v = {n: s / col_secs[1] for n, s in col_secs.items()}
@@ -181,45 +224,20 @@ def _layout_rows(r: Result, rows: dict, add_row, target, model_name, tok, prompt
     r.add("row-major: target alone", f"{sum(map(len, row_want)) / row_s:.1f} tok/s ({alone_s / row_s:.2f}x the "
           f"column-major target); tokens {'the same as' if row_want == eager_want else 'not all the same as'} "
           "the column-major target's")
-    for k in ks:
-        secs, agg, got = _spec_run(row, row_feature, ids, k, new_tokens)
-        label = f"feature k={k}, row-major"
-        add_row(label, k, secs, agg, got, alone_s, c, v=v, want=row_want)
-        rows[label]["over_row_major_alone"] = row_s / secs
+    for name, draft in feature_drafts(row, model_name, quantized).items():
+        for k in ks:
+            secs, agg, got = _spec_run(row, draft, ids, k, new_tokens)
+            label = f"{name} k={k}, row-major"
+            runners[label] = spec_runner(row, draft, ids, k, new_tokens)
+            add_row(label, k, secs, agg, got, alone_s, c[name], v=v, want=row_want)
+            rows[label]["over_row_major_alone"] = row_s / secs
     values["row_major"] = {"v": v, "c": c, "alone_over_column": alone_s / row_s,
                            "same_tokens_as_column": row_want == eager_want}
 
 
-def bench_feature_draft(model_name: str = "smollm2-135m", n_prompts: int = 16, new_tokens: int = 48,
-                        ks: tuple[int, ...] = (2, 3, 4), dtype: torch.dtype = torch.float32, compile: bool = True,
-                        batch_sizes: tuple[int, ...] = (1, 4, 8, 16), seed: int = 26, layouts: bool = True) -> Result:
-    """Feature draft vs distilled draft vs the target alone: c, v(n), acceptance, predicted and measured speedups.
-
-    With `compile`, the target alone and the feature draft at each k run once more through compiled graphs
-    (`_compiled_rows`); with `layouts` (fp32 on a CPU), on a copy of the target with row-major weights, the
-    layout a verify pass's few-row products may read faster (`_layout_rows`).
-    """
-    if model_name not in FEATURE_DRAFT_OF:
-        raise ValueError(f"no bundled feature draft for {model_name!r}; choose from {list(FEATURE_DRAFT_OF)}")
-    device = get_device()
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
-    r = Result(f"feature draft: EAGLE's one-layer draft on the target's features, vs the distilled draft ({name})")
-    target, tok = load_model(model_name, dtype=dtype, device=device)
-    feature = load_feature_draft(target, FEATURE_DRAFT_OF[model_name])
-    distilled, _ = load_model(DRAFT_OF[model_name], dtype=dtype, device=device)
-    prompts = heldout_prompts(tok, n_prompts, seed)
-    ids = [encode_prompt(target, tok, p) for p in prompts]
-    r.add("models", f"{describe_model(model_name, target, device)}; feature draft "
-                    f"{feature.num_parameters() / 1e6:.2f}M params over {feature.coverage_size} tokens; "
-                    f"distilled {describe_model(DRAFT_OF[model_name], distilled, device)}")
-    r.add("prompts", f"{len(prompts)} held-out (seed {seed}: code and chat), up to {new_tokens} new tokens, greedy")
-    step_s, v, c = _pass_cost_row(r, target, {"feature": feature, "distilled": distilled}, ks)
-    (alone_s, want), (again_s, _) = (_alone(target, tok, prompts, new_tokens) for _ in range(2))
-    alone_s = min(alone_s, again_s)
-    r.add("target alone", f"{sum(map(len, want)) / alone_s:.1f} tok/s")
-    lists = [x[0].tolist() for x in ids]
-    rows = {}
-
+def _row_adder(r: Result, rows: dict, target, tok, lists, want, v):
+    """add_row(label, k, secs, agg, got, base_s, c_draft=None, v=v, want=want): a speculative run's row in `rows`
+    and `r` (acceptance, the formula's prediction where c_draft is given, the speedup over base_s, the tokens)."""
     def add_row(label: str, k: int, secs: float, agg: SpeculativeOutput, got, base_s: float, c_draft=None,
                 v=v, want=want):
         agreement = compare(target, lists, want, got)
@@ -231,22 +249,63 @@ def bench_feature_draft(model_name: str = "smollm2-135m", n_prompts: int = 16, n
                      + ", ".join(f"{a:.2f}" for a in row["by_position"]) + "); speedup "
                      + (f"predicted {pred:.2f}x, " if pred is not None else "") + f"measured {row['measured']:.2f}x; "
                      f"tokens: {agreement.summary(tok).splitlines()[0]}")
+    return add_row
 
-    for k in ks:
-        secs, agg, got = _spec_run(target, feature, ids, k, new_tokens)
-        add_row(f"feature k={k}", k, secs, agg, got, alone_s, c["feature"])
-    k_best = max(ks, key=lambda k: rows[f"feature k={k}"]["measured"])
+
+def bench_feature_draft(model_name: str = "smollm2-135m", n_prompts: int = 16, new_tokens: int = 48,
+                        ks: tuple[int, ...] = (2, 3, 4), dtype: torch.dtype = torch.float32, compile: bool = True,
+                        batch_sizes: tuple[int, ...] = (1, 4, 8, 16), seed: int = 26, layouts: bool = True,
+                        quantized: bool = True) -> Result:
+    """Feature draft vs distilled draft vs the target alone: c, v(n), acceptance, predicted and measured speedups.
+
+    With `quantized`, the feature draft's int8 copy runs beside it everywhere (a cheaper draft step, c, at the
+    acceptance its rounding leaves). With `compile`, the target alone and the feature drafts at each k run once
+    more through compiled graphs (`_compiled_rows`); with `layouts` (fp32 on a CPU), on a copy of the target with
+    row-major weights, the layout a verify pass's few-row products may read faster (`_layout_rows`). The engine
+    rows run the eager draft and k that measured fastest.
+    """
+    if model_name not in FEATURE_DRAFT_OF:
+        raise ValueError(f"no bundled feature draft for {model_name!r}; choose from {list(FEATURE_DRAFT_OF)}")
+    device = get_device()
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    r = Result(f"feature draft: EAGLE's one-layer draft on the target's features, vs the distilled draft ({name})")
+    target, tok = load_model(model_name, dtype=dtype, device=device)
+    features = feature_drafts(target, model_name, quantized)
+    feature = features["feature"]
+    distilled, _ = load_model(DRAFT_OF[model_name], dtype=dtype, device=device)
+    prompts = heldout_prompts(tok, n_prompts, seed)
+    ids = [encode_prompt(target, tok, p) for p in prompts]
+    r.add("models", f"{describe_model(model_name, target, device)}; feature draft "
+                    f"{feature.num_parameters() / 1e6:.2f}M params over {feature.coverage_size} tokens; "
+                    f"distilled {describe_model(DRAFT_OF[model_name], distilled, device)}")
+    r.add("prompts", f"{len(prompts)} held-out (seed {seed}: code and chat), up to {new_tokens} new tokens, greedy")
+    step_s, v, c = _pass_cost_row(r, target, {**features, "distilled": distilled}, ks)
+    (alone_s, want), (again_s, _) = (_alone(target, tok, prompts, new_tokens) for _ in range(2))
+    alone_s = min(alone_s, again_s)
+    r.add("target alone", f"{sum(map(len, want)) / alone_s:.1f} tok/s")
+    rows, runners = {}, {"target alone": alone_runner(target, tok, prompts, new_tokens)}
+    add_row = _row_adder(r, rows, target, tok, [x[0].tolist() for x in ids], want, v)
+    for which, draft in features.items():
+        for k in ks:
+            secs, agg, got = _spec_run(target, draft, ids, k, new_tokens)
+            add_row(f"{which} k={k}", k, secs, agg, got, alone_s, c[which])
+            runners[f"{which} k={k}"] = spec_runner(target, draft, ids, k, new_tokens)
+    name_best, k_best = max(((n, k) for n in features for k in ks),
+                            key=lambda nk: rows[f"{nk[0]} k={nk[1]}"]["measured"])
     secs, agg, got = _spec_run(target, distilled, ids, 3, new_tokens)
     add_row("distilled k=3", 3, secs, agg, got, alone_s, c["distilled"])
     values = {"c": c, "v": v, "target_step_s": step_s, "rows": rows, "precision": name}
     if layouts and dtype == torch.float32 and weight_layout(target) == "column":     # a CPU: load_model's layout
-        _layout_rows(r, rows, add_row, target, model_name, tok, prompts, ids, want, alone_s, c["feature"], ks,
-                     new_tokens, values)
+        _layout_rows(r, rows, add_row, target, model_name, tok, prompts, ids, want, alone_s, c, ks,
+                     new_tokens, values, quantized, runners)
     if compile:
         _compiled_rows(r, rows, add_row, model_name, dtype, device, tok, prompts, ids, want, alone_s, ks,
-                       new_tokens, values)
-    best = max(rows, key=lambda key: rows[key]["measured"])
-    r.add("best / target alone (eager)", f"{rows[best]['measured']:.2f}x ({best})")
-    values |= {"best": best, **_engine_rows(r, target, tok, feature, prompts, k_best, new_tokens, batch_sizes)}
+                       new_tokens, values, quantized, runners)
+    values["interleaved"] = ratios = interleaved_rows(r, runners, rows, len(ids))
+    best = max((key for key in ratios if key != "target alone"), key=ratios.get)
+    r.add("best / target alone (eager), interleaved", f"{ratios[best]:.2f}x ({best})")
+    r.add("engine", f"the {name_best} draft at k = {k_best} (the fastest eager row)")
+    values |= {"best": best, "engine_draft": name_best, "engine_k": k_best,
+               **_engine_rows(r, target, tok, features[name_best], prompts, k_best, new_tokens, batch_sizes)}
     r.values = values
     return r

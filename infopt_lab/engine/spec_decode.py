@@ -158,7 +158,8 @@ class FeatureSpeculator(Speculator):
             feats.append(_shifted_rows(held, first, begin, last, C))
             self.features[seq] = (last, held[last - first:]) if last - first < len(held) else (last, held[:0])
         drafts: dict[Sequence, list[int]] = {c.seq: [] for c in spec}
-        _, h = self.draft.forward(chunks, features=torch.cat(feats).to(draft.head.dtype), with_hidden=True)
+        dtype = draft.target.norm.weight.dtype          # the target's features, in its dtype
+        _, h = self.draft.forward(chunks, features=torch.cat(feats).to(dtype), with_hidden=True)
         guess = h[torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1]     # (B, C): each one's last guess
         active = spec
         for i in range(max(c.lookahead for c in spec)):
