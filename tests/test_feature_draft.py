@@ -320,3 +320,26 @@ def test_the_interleaved_check_times_the_fastest_row_of_each_kind_prompt_by_prom
     assert ratios["target alone"] == 1.0 and all(x > 0 for x in ratios.values())
     assert len(calls) == 2 * 3 * len(ratios)
     assert [i for _, i in calls[:3 * len(ratios)]] == [i for i in range(3) for _ in ratios]
+
+
+def test_the_engine_ratio_runs_both_engines_in_turn_and_keeps_each_ones_fastest_run(trained, monkeypatch):
+    """`engine_ratios`: the engine without speculation and the one with it alternate, `repeats` runs each, and the
+    ratio is of their fastest runs; the tokens are compared and the acceptance read from the speculating engine."""
+    from infopt_lab.bench import feature_draft as fdb
+    from infopt_lab.engine import Engine
+    target, tok, draft, _ = trained
+    order = []
+    real = Engine.generate
+
+    def logged(self, prompts, **kw):
+        if kw.get("max_new_tokens") != 4:                               # not the warm-up
+            order.append("feature" if self.speculator is not None else "plain")
+        return real(self, prompts, **kw)
+
+    monkeypatch.setattr(Engine, "generate", logged)
+    out = fdb.engine_ratios(target, tok, draft, heldout_prompts(tok, 3, seed=29), 3, 16, batch_sizes=(1, 2),
+                            repeats=2)
+    assert order == ["plain", "feature"] * 4
+    for e in out.values():
+        assert e["ratio"] == pytest.approx(e["feature_tok_s"] / e["plain_tok_s"])
+        assert e["same_tokens"] and 0 < e["draft_yield"] <= 1
