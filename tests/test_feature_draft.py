@@ -343,3 +343,10 @@ def test_the_engine_ratio_runs_both_engines_in_turn_and_keeps_each_ones_fastest_
     for e in out.values():
         assert e["ratio"] == pytest.approx(e["feature_tok_s"] / e["plain_tok_s"])
         assert e["same_tokens"] and 0 < e["draft_yield"] <= 1
+
+
+def test_the_engine_ratio_refuses_a_repeat_count_below_one(trained):
+    from infopt_lab.bench import feature_draft as fdb
+    target, tok, draft, _ = trained
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        fdb.engine_ratios(target, tok, draft, ["def f():"], 2, 4, batch_sizes=(1,), repeats=0)

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from .. import validate
 from ..device import get_device, synchronize
 from ..exactness import compare
 from ..feature_draft import BUNDLED_NAME, FeatureDraft, load_feature_draft
@@ -148,11 +149,12 @@ def engine_ratios(target, tok, draft, prompts, k: int, new_tokens: int, batch_si
     machine's speed between two runs then moves both alike instead of the ratio.
     """
     from ..engine import Engine
+    repeats = validate.integer("repeats", repeats, low=1)
     out = {}
     for b in batch_sizes:
         engines = {name: Engine(target, tok, max_batch_size=b, max_model_len=512, **kw)
                    for name, kw in (("plain", {}), ("feature", dict(draft=draft, num_speculative_tokens=k)))}
-        best, got = {name: 0.0 for name in engines}, {}
+        best, got = {name: 0.0 for name in engines}, {name: [] for name in engines}
         for engine in engines.values():
             engine.generate(prompts[:2], max_new_tokens=4)                 # warm-up
         for _ in range(repeats):
@@ -162,10 +164,10 @@ def engine_ratios(target, tok, draft, prompts, k: int, new_tokens: int, batch_si
                 res = engine.generate(prompts, max_new_tokens=new_tokens)
                 synchronize(engine.device)
                 best[name] = max(best[name], sum(len(o.token_ids) for o in res) / (time.perf_counter() - start))
-                got[name] = [o.token_ids for o in res]
+                got[name].append([o.token_ids for o in res])
         stats = engines["feature"].stats
         out[b] = {"plain_tok_s": best["plain"], "feature_tok_s": best["feature"], "ratio": best["feature"] / best["plain"],
-                  "draft_yield": stats.draft_yield, "same_tokens": got["feature"] == got["plain"]}
+                  "draft_yield": stats.draft_yield, "same_tokens": all(run == got["plain"][0] for run in got["plain"] + got["feature"])}
     return out
 
 
