@@ -8,12 +8,10 @@ then the same inside the engine at growing batch sizes, to find where speculatio
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from .. import validate
-from ..device import get_device, synchronize
+from ..device import get_device
 from ..exactness import compare
 from ..feature_draft import BUNDLED_NAME, FeatureDraft, load_feature_draft
 from ..generate import encode_prompt, generate
@@ -141,6 +139,11 @@ def interleaved_rows(r: Result, runners: dict, rows: dict, n_prompts: int, repea
     return ratios
 
 
+def _recording_run(engine, prompts, new_tokens: int, into: list):
+    """A no-argument run of `engine` over `prompts` that appends each run's token lists to `into`."""
+    return lambda: into.append([o.token_ids for o in engine.generate(prompts, max_new_tokens=new_tokens)])
+
+
 def engine_ratios(target, tok, draft, prompts, k: int, new_tokens: int, batch_sizes=(1, 2, 4, 8),
                   repeats: int = 2) -> dict[int, dict]:
     """Engine throughput with and without the feature draft at each max batch size: ratio and acceptance.
@@ -154,20 +157,15 @@ def engine_ratios(target, tok, draft, prompts, k: int, new_tokens: int, batch_si
     for b in batch_sizes:
         engines = {name: Engine(target, tok, max_batch_size=b, max_model_len=512, **kw)
                    for name, kw in (("plain", {}), ("feature", dict(draft=draft, num_speculative_tokens=k)))}
-        best, got = {name: 0.0 for name in engines}, {name: [] for name in engines}
+        got = {name: [] for name in engines}
         for engine in engines.values():
             engine.generate(prompts[:2], max_new_tokens=4)                 # warm-up
-        for _ in range(repeats):
-            for name, engine in engines.items():
-                synchronize(engine.device)
-                start = time.perf_counter()
-                res = engine.generate(prompts, max_new_tokens=new_tokens)
-                synchronize(engine.device)
-                best[name] = max(best[name], sum(len(o.token_ids) for o in res) / (time.perf_counter() - start))
-                got[name].append([o.token_ids for o in res])
-        stats = engines["feature"].stats
-        out[b] = {"plain_tok_s": best["plain"], "feature_tok_s": best["feature"], "ratio": best["feature"] / best["plain"],
-                  "draft_yield": stats.draft_yield, "same_tokens": all(run == got["plain"][0] for run in got["plain"] + got["feature"])}
+        runs = {name: _recording_run(engine, prompts, new_tokens, got[name]) for name, engine in engines.items()}
+        secs = interleaved_runs(runs, repeats=repeats, warmup=0, device=engines["plain"].device)
+        best = {name: sum(map(len, got[name][0])) / min(secs[name]) for name in engines}
+        out[b] = {"plain_tok_s": best["plain"], "feature_tok_s": best["feature"],
+                  "ratio": best["feature"] / best["plain"], "draft_yield": engines["feature"].stats.draft_yield,
+                  "same_tokens": all(run == got["plain"][0] for run in got["plain"] + got["feature"])}
     return out
 
 
