@@ -214,3 +214,36 @@ def test_smollm2_speculation_stops_at_the_eos_generate_stops_at():
     assert sp.prompt_lookup_generate(target, ids, params, k=3).token_ids == want
     engine = lab.Engine(target, tok, max_batch_size=2, max_model_len=256, draft=draft, num_speculative_tokens=3)
     assert engine.generate([prompt], params)[0].token_ids == want
+
+
+def test_the_speculative_bench_takes_each_prompt_in_turn_and_keeps_each_prompts_fastest_run():
+    from infopt_lab.bench.speculative import prompt_by_prompt
+    calls, secs = [], iter([3, 1, 2, 5, 1, 4, 6, 1])
+
+    def contender(name):
+        def run(i):
+            calls.append((name, i))
+            return next(secs), f"{name}{i}"
+        return run
+    done = prompt_by_prompt({"a": contender("a"), "b": contender("b")}, 2, repeats=2)
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1)] * 2       # every prompt by each in turn, twice
+    assert done == {"a": (1 + 2, ["a0", "a1"]), "b": (1 + 1, ["b0", "b1"])}
+    with pytest.raises(ValueError, match="repeats"):
+        prompt_by_prompt({"a": contender("a")}, 1, repeats=0)
+
+
+def test_speculative_runs_give_the_targets_tokens_at_every_k(pair):
+    from infopt_lab.bench.speculative import prompt_lookup_runs, speculative_runs
+    from infopt_lab.bench.baselines import load_transformers
+    target, draft, tok = pair
+    hf_pair = (load_transformers("target", torch.float32, target.lm_head.weight.device),
+               load_transformers("draft", torch.float32, target.lm_head.weight.device))
+    runs = speculative_runs(target, draft, tok, PROMPTS[:3], new_tokens=16, ks=(2, 4), hf_pair=hf_pair, repeats=1)
+    want = [lab.generate(target, tok, p, max_new_tokens=16, stop_at_eos=False).token_ids for p in PROMPTS[:3]]
+    assert runs["target"].token_ids == runs["k=2"].token_ids == runs["k=4"].token_ids == want
+    assert all(runs[f"k={k}"].rounds > 0 and 0 <= runs[f"k={k}"].alpha <= 1 for k in (2, 4))
+    best = max((2, 4), key=lambda k: runs[f"k={k}"].throughput_tok_s)
+    assert runs["transformers"].name == f"transformers assisted k={best}"
+    assert runs["transformers"].token_ids == want                      # one token list per prompt, in order
+    look = prompt_lookup_runs(target, tok, new_tokens=16, k=4, hf_target=hf_pair[0], repeats=1)
+    assert look["lookup"].token_ids == look["target"].token_ids == look["transformers"].token_ids

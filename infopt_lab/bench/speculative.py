@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import validate
 from ..device import default_dtype, get_device
 from ..generate import generate
 from ..kv_cache import KVCache
 from ..loading import load_model
 from ..speculative import SpeculativeOutput, expected_tokens_per_pass, prompt_lookup_generate, speculative_generate
-from ..timing import fastest, time_interleaved
+from ..timing import time_interleaved
 from .baselines import load_transformers, transformers_assisted, transformers_prompt_lookup
 from .result import Result, Run, describe_model
 
@@ -62,52 +63,89 @@ def pass_costs(target, draft, new_tokens=(1, 2, 3, 4, 5, 7, 9), prefix: int = 20
     return {n: med[n] for n in new_tokens}, med["draft"]
 
 
-def target_only_run(target, tok, prompts, new_tokens: int, repeats: int) -> SpecRun:
-    """The target alone, greedy, one prompt after another: the fastest of `repeats` runs."""
-    def run():
-        outs = [generate(target, tok, p, max_new_tokens=new_tokens, stop_at_eos=False) for p in prompts]
-        return sum(o.e2e_s for o in outs), [o.token_ids for o in outs]
-    secs, toks = fastest(run, repeats)
-    return SpecRun("target only", toks, secs, tokens_per_pass=1.0)
+def prompt_by_prompt(contenders: dict, n_prompts: int, repeats: int) -> dict[str, tuple[float, list]]:
+    """{name: i -> (seconds, output)}, run prompt by prompt: prompt i decoded by every contender in turn before
+    prompt i + 1, the whole `repeats` times. For each name, the outputs of its fastest run of each prompt and the
+    sum of those runs' seconds.
+
+    A machine whose speed drifts (turbo, a neighbour process) then slows every contender alike on each prompt,
+    instead of whichever ran while it was slow, so their ratios hold."""
+    repeats = validate.integer("repeats", repeats, low=1)
+    best: dict[tuple[str, int], tuple[float, object]] = {}
+    for _ in range(repeats):
+        for i in range(n_prompts):
+            for name, run in contenders.items():
+                secs, out = run(i)
+                if (name, i) not in best or secs < best[name, i][0]:
+                    best[name, i] = (secs, out)
+    return {name: (sum(best[name, i][0] for i in range(n_prompts)), [best[name, i][1] for i in range(n_prompts)])
+            for name in contenders}
+
+
+def _alone_run(target, tok, prompts, new_tokens: int):
+    """i -> (seconds, output) of the target alone, greedy, on prompt i."""
+    def run(i):
+        out = generate(target, tok, prompts[i], max_new_tokens=new_tokens, stop_at_eos=False)
+        return out.e2e_s, out
+    return run
+
+
+def _alone(secs: float, outs) -> SpecRun:
+    return SpecRun("target only", [o.token_ids for o in outs], secs, tokens_per_pass=1.0)
+
+
+def _spec_result(name: str, k: int, secs: float, outs) -> SpecRun:
+    agg = SpeculativeOutput([], k, [r for o in outs for r in o.rounds], 0, 0, secs)
+    return SpecRun(name, [o.token_ids for o in outs], secs, alpha=agg.acceptance_rate,
+                   tokens_per_pass=agg.tokens_per_pass, rounds=len(agg.rounds),
+                   draft_s=sum(o.draft_s for o in outs), verify_s=sum(o.verify_s for o in outs))
 
 
 def speculative_runs(target, draft, tok, prompts, new_tokens: int = 128, ks=(1, 2, 3, 4, 6),
                      hf_pair=None, repeats: int = 2) -> dict[str, SpecRun]:
-    """Target-only greedy, speculative greedy at each k, and transformers' assisted generation, same prompts."""
+    """Target-only greedy, speculative greedy at each k, and transformers' assisted generation, same prompts.
+
+    Every contender decodes each prompt in turn (`prompt_by_prompt`), the fastest of `repeats` runs per prompt:
+    the target alone, each k, and with `hf_pair` transformers' assisted generation at each k, reported at the k
+    that ran fastest here."""
     ids = [torch.tensor([tok.encode(p)], device=next(target.parameters()).device) for p in prompts]
-    runs = {"target": target_only_run(target, tok, prompts, new_tokens, repeats)}
+    contenders = {"target": _alone_run(target, tok, prompts, new_tokens)}
     for k in ks:
-        def spec(k=k):
-            outs = [speculative_generate(target, draft, x, max_new_tokens=new_tokens, k=k, stop_at_eos=False)
-                    for x in ids]
-            return sum(o.wall_s for o in outs), outs
-        secs, outs = fastest(spec, repeats)
-        agg = SpeculativeOutput([], k, [r for o in outs for r in o.rounds], 0, 0, secs)
-        runs[f"k={k}"] = SpecRun(f"speculative k={k}", [o.token_ids for o in outs], secs, alpha=agg.acceptance_rate,
-                                 tokens_per_pass=agg.tokens_per_pass, rounds=len(agg.rounds),
-                                 draft_s=sum(o.draft_s for o in outs), verify_s=sum(o.verify_s for o in outs))
+        def spec(i, k=k):
+            out = speculative_generate(target, draft, ids[i], max_new_tokens=new_tokens, k=k, stop_at_eos=False)
+            return out.wall_s, out
+        contenders[f"k={k}"] = spec
+        if hf_pair is not None:
+            contenders[f"transformers k={k}"] = lambda i, k=k: transformers_assisted(*hf_pair, [ids[i]], new_tokens, k)
+    done = prompt_by_prompt(contenders, len(prompts), repeats)
+    runs = {"target": _alone(*done["target"])}
+    runs |= {f"k={k}": _spec_result(f"speculative k={k}", k, *done[f"k={k}"]) for k in ks}
     if hf_pair is not None:
-        best = max((r for r in runs.values() if r.alpha is not None), key=lambda r: r.throughput_tok_s)
-        k = int(best.name.split("=")[1])
-        secs, toks = fastest(lambda: transformers_assisted(*hf_pair, ids, new_tokens, k), repeats)
-        runs["transformers"] = SpecRun(f"transformers assisted k={k}", toks, secs)
+        k = max(ks, key=lambda k: runs[f"k={k}"].throughput_tok_s)
+        secs, toks = done[f"transformers k={k}"]
+        runs["transformers"] = SpecRun(f"transformers assisted k={k}", [t for (t,) in toks], secs)
     return runs
 
 
 def prompt_lookup_runs(target, tok, prompt: str = REPEAT_PROMPT, new_tokens: int = 128, k: int = 6,
                        hf_target=None, repeats: int = 2) -> dict[str, SpecRun]:
-    """Target-only greedy vs prompt-lookup speculation (ours, and transformers' if given) on one prompt."""
+    """Target-only greedy vs prompt-lookup speculation (ours, and transformers' if given) on one prompt, each in
+    turn, the fastest of `repeats` runs each."""
     x = torch.tensor([tok.encode(prompt)], device=next(target.parameters()).device)
 
-    def lookup():
+    def lookup(_):
         o = prompt_lookup_generate(target, x, max_new_tokens=new_tokens, k=k, stop_at_eos=False)
         return o.wall_s, o
-    runs = {"target": target_only_run(target, tok, [prompt], new_tokens, repeats)}
-    secs, o = fastest(lookup, repeats)
+    contenders = {"target": _alone_run(target, tok, [prompt], new_tokens), "lookup": lookup}
+    if hf_target is not None:
+        contenders["transformers"] = lambda _: transformers_prompt_lookup(hf_target, x, new_tokens, k)
+    done = prompt_by_prompt(contenders, 1, repeats)
+    runs = {"target": _alone(*done["target"])}
+    secs, (o,) = done["lookup"]
     runs["lookup"] = SpecRun(f"prompt lookup k={k}", [o.token_ids], secs, alpha=o.acceptance_rate,
                              tokens_per_pass=o.tokens_per_pass)
     if hf_target is not None:
-        secs, toks = fastest(lambda: transformers_prompt_lookup(hf_target, x, new_tokens, k), repeats)
+        secs, (toks,) = done["transformers"]
         runs["transformers"] = SpecRun(f"transformers prompt lookup k={k}", toks, secs)
     return runs
 
