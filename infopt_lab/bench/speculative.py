@@ -9,13 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import validate
 from ..device import default_dtype, get_device
 from ..generate import generate
 from ..kv_cache import KVCache
 from ..loading import load_model
 from ..speculative import SpeculativeOutput, expected_tokens_per_pass, prompt_lookup_generate, speculative_generate
-from ..timing import time_interleaved
+from ..timing import interleaved_runs, time_interleaved
 from .baselines import load_transformers, transformers_assisted, transformers_prompt_lookup
 from .result import Result, Run, describe_model
 
@@ -70,14 +69,10 @@ def prompt_by_prompt(contenders: dict, n_prompts: int, repeats: int) -> dict[str
 
     A machine whose speed drifts (turbo, a neighbour process) then slows every contender alike on each prompt,
     instead of whichever ran while it was slow, so their ratios hold."""
-    repeats = validate.integer("repeats", repeats, low=1)
-    best: dict[tuple[str, int], tuple[float, object]] = {}
-    for _ in range(repeats):
-        for i in range(n_prompts):
-            for name, run in contenders.items():
-                secs, out = run(i)
-                if (name, i) not in best or secs < best[name, i][0]:
-                    best[name, i] = (secs, out)
+    got: dict[tuple[str, int], list] = {(name, i): [] for i in range(n_prompts) for name in contenders}
+    runs = {key: (lambda key=key: got[key].append(contenders[key[0]](key[1]))) for key in got}
+    interleaved_runs(runs, repeats=repeats, warmup=0)                  # the turns; the seconds are the callee's
+    best = {key: min(results, key=lambda r: r[0]) for key, results in got.items()}
     return {name: (sum(best[name, i][0] for i in range(n_prompts)), [best[name, i][1] for i in range(n_prompts)])
             for name in contenders}
 
